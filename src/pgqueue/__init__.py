@@ -1,0 +1,40 @@
+"""pgqueue: a job queue for Python where PostgreSQL is the whole broker."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .app import App
+from .backoff import Backoff
+from .context import JobContext
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailableError,
+    Fail,
+    InvalidJobError,
+    PgQueueError,
+    Retry,
+    UnknownTaskError,
+)
+from .jobs import Job, Status
+from .tasks import Task
+
+try:
+    __version__ = version("pgqueue")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0"
+
+__all__ = [
+    "App",
+    "Backoff",
+    "ConfigurationError",
+    "DatabaseUnavailableError",
+    "Fail",
+    "InvalidJobError",
+    "Job",
+    "JobContext",
+    "PgQueueError",
+    "Retry",
+    "Status",
+    "Task",
+    "UnknownTaskError",
+    "__version__",
+]

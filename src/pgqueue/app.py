@@ -1,0 +1,337 @@
+"""App: the task registry, configuration, and the entry points for producers and workers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
+
+from . import db, producer
+from .backoff import Backoff
+from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
+from .jobs import Job
+from .migrate import migrate as apply_migrations
+from .sql import Queries, queries
+from .tasks import Task, TaskOptions
+
+if TYPE_CHECKING:
+    from .worker.runtime import Worker
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+JobSpec = Mapping[str, Any] | tuple[str, Mapping[str, Any]]
+
+
+class App:
+    """One pgqueue application: tasks, a database and a schema.
+
+    The DSN is the argument, else ``$PGQUEUE_DSN``, else ``$DATABASE_URL``; it is resolved on
+    first use, so an ``App()`` can be declared at import time and configured later.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str = "public",
+        default_queue: str = "default",
+        max_payload_bytes: int = producer.DEFAULT_MAX_PAYLOAD,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self._dsn = dsn
+        self.schema = db.validate_schema(schema)
+        self.default_queue = producer.check_name("queue", default_queue, producer.MAX_QUEUE_LENGTH)
+        if max_payload_bytes <= 0:
+            raise ConfigurationError("max_payload_bytes must be positive")
+        self.max_payload_bytes = max_payload_bytes
+        self.backoff = backoff or Backoff()
+        self.tasks: dict[str, Task[Any, Any]] = {}
+        self.q: Queries = queries(self.schema)
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._pool_lock = threading.Lock()
+        self._async_pools: dict[int, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
+        self.periodic_schedules: list[Any] = []
+
+    # --- configuration --------------------------------------------------------------------
+
+    @property
+    def dsn(self) -> str:
+        return db.resolve_dsn(self._dsn)
+
+    @dsn.setter
+    def dsn(self, value: str) -> None:
+        if self._pool is not None or self._async_pools:
+            raise ConfigurationError("set the DSN before the app first talks to the database")
+        self._dsn = db.resolve_dsn(value)
+
+    # --- tasks ----------------------------------------------------------------------------
+
+    @overload
+    def task(self, func: Callable[P, R], /) -> Task[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        max_attempts: int = 5,
+        timeout: float | None = None,
+        backoff: Backoff | None = None,
+    ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+    def task(
+        self,
+        func: Callable[P, R] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        max_attempts: int = 5,
+        timeout: float | None = None,
+        backoff: Backoff | None = None,
+    ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
+        """Register a handler. Async functions run on the worker's event loop, plain ones in
+        its thread pool. The task name defaults to the function's name."""
+
+        def register(fn: Callable[P, R]) -> Task[P, R]:
+            task_name = producer.check_name("task", name or fn.__name__, producer.MAX_TASK_LENGTH)
+            existing = self.tasks.get(task_name)
+            if existing is not None and existing.func is not fn:
+                raise ConfigurationError(
+                    f"task name {task_name!r} is already registered by {existing.func!r}; "
+                    "pass name=... to tell them apart"
+                )
+            if timeout is not None and not timeout > 0:
+                raise ConfigurationError("timeout must be a positive number of seconds")
+            options = TaskOptions(
+                queue=producer.check_name("queue", queue or self.default_queue, producer.MAX_QUEUE_LENGTH),
+                priority=producer.check_int("priority", priority, -(2**31 - 1)),
+                max_attempts=producer.check_int("max_attempts", max_attempts, 1),
+            )
+            task = Task(self, fn, name=task_name, options=options, timeout=timeout, backoff=backoff)
+            self.tasks[task_name] = task
+            return task
+
+        return register(func) if func is not None else register
+
+    # --- pools ----------------------------------------------------------------------------
+
+    def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
+        with self._pool_lock:
+            if self._pool is None:
+                dsn = self.dsn
+                db.connect(dsn).close()  # a clear error now beats a pool timeout later
+                pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+                    dsn, min_size=1, max_size=8, kwargs={"autocommit": True}, open=False,
+                    timeout=10, name="pgqueue-producer",
+                )  # fmt: skip
+                pool.open()
+                self._pool = pool
+            return self._pool
+
+    async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        loop_id = id(asyncio.get_running_loop())
+        pool = self._async_pools.get(loop_id)
+        if pool is None:
+            dsn = self.dsn
+            await (await db.connect_async(dsn)).close()
+            pool = AsyncConnectionPool(
+                dsn, min_size=1, max_size=8, kwargs={"autocommit": True}, open=False,
+                timeout=10, name="pgqueue-producer-async",
+            )  # fmt: skip
+            await pool.open()
+            self._async_pools[loop_id] = pool
+        return pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    async def aclose(self) -> None:
+        pool = self._async_pools.pop(id(asyncio.get_running_loop()), None)
+        if pool is not None:
+            await pool.close()
+
+    def connection(self) -> Any:
+        """A pooled sync connection (autocommit), as a context manager."""
+        return self._sync_pool().connection()
+
+    # --- producing ------------------------------------------------------------------------
+
+    def _row(
+        self,
+        task: str,
+        args: Mapping[str, Any] | None,
+        *,
+        queue: str | None,
+        priority: int | None,
+        max_attempts: int | None,
+        delay: float | timedelta | None,
+        run_at: datetime | None,
+        allow_unknown: bool,
+    ) -> producer.JobRow:
+        registered = self.tasks.get(task) if isinstance(task, str) else None
+        if registered is None and not allow_unknown:
+            known = ", ".join(sorted(self.tasks)) or "none"
+            raise UnknownTaskError(f"unknown task {task!r} (registered: {known})")
+        defaults = registered.options if registered else TaskOptions(queue=self.default_queue)
+        return producer.build_row(
+            task=task,
+            args=args,
+            queue=queue if queue is not None else defaults.queue,
+            priority=priority if priority is not None else defaults.priority,
+            max_attempts=max_attempts if max_attempts is not None else defaults.max_attempts,
+            delay=delay,
+            run_at=run_at,
+            max_payload=self.max_payload_bytes,
+        )
+
+    def enqueue(
+        self,
+        task: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        connection: psycopg.Connection[Any] | None = None,
+        allow_unknown: bool = False,
+    ) -> int:
+        """Queue one job and return its id. With ``connection``, the job exists only if that
+        connection's transaction commits."""
+        row = self._row(task, args, queue=queue, priority=priority, max_attempts=max_attempts,
+                        delay=delay, run_at=run_at, allow_unknown=allow_unknown)  # fmt: skip
+        if connection is not None:
+            return producer.insert(connection, self.q, row)
+        try:
+            with self._sync_pool().connection() as conn:
+                return producer.insert(conn, self.q, row)
+        except PoolTimeout as exc:
+            raise db.unavailable(self.dsn, exc) from None
+
+    async def enqueue_async(
+        self,
+        task: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        connection: psycopg.AsyncConnection[Any] | None = None,
+        allow_unknown: bool = False,
+    ) -> int:
+        row = self._row(task, args, queue=queue, priority=priority, max_attempts=max_attempts,
+                        delay=delay, run_at=run_at, allow_unknown=allow_unknown)  # fmt: skip
+        if connection is not None:
+            return await producer.insert_async(connection, self.q, row)
+        try:
+            async with (await self._async_pool()).connection() as conn:
+                return await producer.insert_async(conn, self.q, row)
+        except PoolTimeout as exc:
+            raise db.unavailable(self.dsn, exc) from None
+
+    def _rows(self, jobs: Iterable[JobSpec], allow_unknown: bool) -> list[producer.JobRow]:
+        rows = []
+        for index, spec in enumerate(jobs):
+            if isinstance(spec, tuple):
+                if len(spec) != 2:
+                    raise InvalidJobError(f"job #{index}: expected (task, args)")
+                spec = {"task": spec[0], "args": spec[1]}
+            if not isinstance(spec, Mapping) or "task" not in spec:
+                raise InvalidJobError(f"job #{index}: expected a mapping with a 'task' key")
+            unknown = set(spec) - {"task", "args", "queue", "priority", "max_attempts", "delay", "run_at"}
+            if unknown:
+                raise InvalidJobError(f"job #{index}: unknown keys {sorted(unknown)}")
+            try:
+                rows.append(self._row(
+                    spec["task"], spec.get("args"), queue=spec.get("queue"),
+                    priority=spec.get("priority"), max_attempts=spec.get("max_attempts"),
+                    delay=spec.get("delay"), run_at=spec.get("run_at"), allow_unknown=allow_unknown,
+                ))  # fmt: skip
+            except (InvalidJobError, UnknownTaskError) as exc:
+                raise type(exc)(f"job #{index}: {exc}") from None
+        return rows
+
+    def enqueue_many(
+        self,
+        jobs: Iterable[JobSpec],
+        *,
+        connection: psycopg.Connection[Any] | None = None,
+        allow_unknown: bool = False,
+    ) -> int:
+        """Queue many jobs with one COPY and return how many. Every job is checked first: one
+        bad job refuses the whole batch, and nothing is written."""
+        rows = self._rows(jobs, allow_unknown)
+        if not rows:
+            return 0
+        if connection is not None:
+            return producer.copy_rows(connection, self.q, rows)
+        with self._sync_pool().connection() as conn, conn.transaction():
+            return producer.copy_rows(conn, self.q, rows)
+
+    async def enqueue_many_async(
+        self,
+        jobs: Iterable[JobSpec],
+        *,
+        connection: psycopg.AsyncConnection[Any] | None = None,
+        allow_unknown: bool = False,
+    ) -> int:
+        rows = self._rows(jobs, allow_unknown)
+        if not rows:
+            return 0
+        if connection is not None:
+            return await producer.copy_rows_async(connection, self.q, rows)
+        async with (await self._async_pool()).connection() as conn, conn.transaction():
+            return await producer.copy_rows_async(conn, self.q, rows)
+
+    # --- inspecting and steering jobs -----------------------------------------------------
+
+    def get_job(self, job_id: int) -> Job | None:
+        with self._sync_pool().connection() as conn:
+            row = conn.execute(self.q.get_job, {"id": job_id}).fetchone()
+        return Job.from_row(row) if row else None
+
+    def requeue(self, job_id: int) -> bool:
+        """Run a dead or cancelled job again, with a fresh set of attempts."""
+        with self._sync_pool().connection() as conn:
+            return conn.execute(self.q.requeue_job, {"id": job_id}).fetchone() is not None
+
+    def cancel(self, job_id: int) -> bool:
+        """Cancel a job that is not running yet (queued or waiting to retry)."""
+        with self._sync_pool().connection() as conn:
+            return conn.execute(self.q.cancel_job, {"id": job_id}).fetchone() is not None
+
+    def status_counts(self) -> list[tuple[str, str, int]]:
+        with self._sync_pool().connection() as conn:
+            rows = conn.execute(self.q.status_counts).fetchall()
+        return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]
+
+    def migrate(self) -> list[int]:
+        """Apply pending schema migrations; returns the versions applied."""
+        with db.connect(self.dsn) as conn:
+            return apply_migrations(conn, self.schema)
+
+    # --- workers --------------------------------------------------------------------------
+
+    def worker(self, **options: Any) -> Worker:
+        from .worker.runtime import Worker
+
+        return Worker(self, **options)
+
+    def run_worker(self, **options: Any) -> None:
+        """Run a worker in this thread until SIGTERM/SIGINT (see ``Worker`` for options)."""
+        self.worker(**options).run_sync()

@@ -1,0 +1,81 @@
+"""DSN resolution, schema quoting and connection errors.
+
+Identifiers never reach SQL as raw strings: the schema is validated against a conservative
+pattern and then quoted with ``psycopg.sql.Identifier``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import psycopg
+from psycopg import conninfo
+
+from .errors import ConfigurationError, DatabaseUnavailableError
+
+_SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,49}$")
+
+
+def resolve_dsn(dsn: str | None = None) -> str:
+    """The DSN argument, else ``$PGQUEUE_DSN``, else ``$DATABASE_URL``."""
+    value = dsn or os.environ.get("PGQUEUE_DSN") or os.environ.get("DATABASE_URL")
+    if not value:
+        raise ConfigurationError(
+            "no database configured: pass dsn=..., or set PGQUEUE_DSN or DATABASE_URL"
+        )
+    try:
+        conninfo.conninfo_to_dict(value)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"invalid DSN: {exc}") from None
+    return value
+
+
+def validate_schema(schema: str) -> str:
+    """Accept plain identifiers only; quotes, dots and semicolons are refused outright."""
+    if not isinstance(schema, str) or not _SCHEMA_RE.match(schema):
+        raise ConfigurationError(
+            f"invalid schema name {schema!r}: use letters, digits and underscores "
+            "(at most 50 characters, not starting with a digit)"
+        )
+    return schema
+
+
+def channel_for(schema: str) -> str:
+    """The NOTIFY channel of a schema; under PostgreSQL's 63-byte limit by construction."""
+    return "pgqueue" if schema == "public" else f"pgqueue_{schema}"
+
+
+def describe_dsn(dsn: str) -> str:
+    """host:port/dbname for messages, never the password."""
+    try:
+        parts = conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<invalid DSN>"
+    host = parts.get("host") or "localhost"
+    port = parts.get("port") or "5432"
+    db = parts.get("dbname") or parts.get("user") or ""
+    return f"{host}:{port}/{db}"
+
+
+def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailableError:
+    """One sentence for an unreachable database (the first line of libpq's message)."""
+    reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return DatabaseUnavailableError(f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}")
+
+
+def connect(dsn: str, *, autocommit: bool = True, **kwargs: object) -> psycopg.Connection[object]:
+    """A sync connection, with connection failures turned into DatabaseUnavailableError."""
+    try:
+        return psycopg.connect(dsn, autocommit=autocommit, **kwargs)  # type: ignore[arg-type]
+    except psycopg.OperationalError as exc:
+        raise unavailable(dsn, exc) from None
+
+
+async def connect_async(
+    dsn: str, *, autocommit: bool = True, **kwargs: object
+) -> psycopg.AsyncConnection[object]:
+    try:
+        return await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **kwargs)  # type: ignore[arg-type]
+    except psycopg.OperationalError as exc:
+        raise unavailable(dsn, exc) from None

@@ -1,0 +1,219 @@
+"""Enqueueing: argument checks and row building shared by the sync and async paths.
+
+Everything that can be wrong with a job is found here, before any SQL runs, so a refused job
+writes nothing. The I/O twins below are thin on purpose: the logic cannot drift between them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .errors import InvalidJobError
+from .sql import Queries
+
+MAX_QUEUE_LENGTH = 128
+MAX_TASK_LENGTH = 256
+_INT32 = 2**31 - 1
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
+COPY_TYPES = ["text", "text", "jsonb", "int4", "timestamptz", "int4"]
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """A validated job, ready for INSERT or COPY."""
+
+    queue: str
+    task: str
+    args_json: str
+    priority: int
+    run_at: datetime | None
+    delay: float
+    max_attempts: int
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "task": self.task,
+            "args": self.args_json,
+            "priority": self.priority,
+            "run_at": self.run_at,
+            "delay": self.delay,
+            "max_attempts": self.max_attempts,
+        }
+
+    def copy_row(self, db_now: datetime) -> tuple[Any, ...]:
+        run_at = self.run_at or db_now + timedelta(seconds=self.delay)
+        return (
+            self.queue,
+            self.task,
+            Jsonb(self.args_json, dumps=_already_json),
+            self.priority,
+            run_at,
+            self.max_attempts,
+        )
+
+
+def _already_json(value: Any) -> str:
+    return str(value)
+
+
+def check_name(kind: str, value: object, limit: int) -> str:
+    if not isinstance(value, str):
+        raise InvalidJobError(f"{kind} name must be a string, got {type(value).__name__}")
+    if not value or not value.strip():
+        raise InvalidJobError(f"{kind} name must not be empty")
+    if len(value) > limit:
+        raise InvalidJobError(f"{kind} name is {len(value)} characters; the limit is {limit}")
+    if "\x00" in value:
+        raise InvalidJobError(f"{kind} name must not contain NUL (\\u0000)")
+    return value
+
+
+def _check_value(value: Any, path: str) -> None:
+    """JSON types only; PostgreSQL's jsonb refuses NUL in strings and NaN/Infinity."""
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidJobError(f"argument {path} is {value!r}; JSON has no NaN or Infinity")
+        return
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidJobError(f"argument {path} contains NUL (\\u0000), which jsonb refuses")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidJobError(f"argument {path} has a non-string key {key!r}")
+            if "\x00" in key:
+                raise InvalidJobError(f"argument {path} has a key containing NUL (\\u0000)")
+            _check_value(item, f"{path}.{key}")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_value(item, f"{path}[{index}]")
+        return
+    raise InvalidJobError(
+        f"argument {path} is a {type(value).__name__}, which is not JSON-serialisable "
+        "(use str, int, float, bool, None, list or dict)"
+    )
+
+
+def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise InvalidJobError(f"args must be a mapping of keyword arguments, got {type(args).__name__}")
+    for key, value in args.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidJobError(f"argument name {key!r} is not a valid Python identifier")
+        _check_value(value, key)
+    text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    size = len(text.encode("utf-8"))
+    if size > max_payload:
+        raise InvalidJobError(
+            f"arguments are {size:,} bytes as JSON; the limit is {max_payload:,} bytes "
+            "(store large data elsewhere and pass a reference)"
+        )
+    return text
+
+
+def check_delay(delay: float | timedelta | None, run_at: datetime | None) -> tuple[float, datetime | None]:
+    if delay is not None and run_at is not None:
+        raise InvalidJobError("give delay or run_at, not both")
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise InvalidJobError("run_at must be a datetime")
+        if run_at.tzinfo is None:
+            raise InvalidJobError("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        return 0.0, run_at
+    if delay is None:
+        return 0.0, None
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise InvalidJobError(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidJobError(f"delay must be a finite, non-negative number of seconds, got {delay!r}")
+    return float(seconds), None
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJobError(f"{name} must be an integer, got {type(value).__name__}")
+    if not minimum <= value <= _INT32:
+        raise InvalidJobError(f"{name} must be between {minimum} and {_INT32}, got {value}")
+    return value
+
+
+def build_row(
+    *,
+    task: str,
+    args: Mapping[str, Any] | None,
+    queue: str,
+    priority: int,
+    max_attempts: int,
+    delay: float | timedelta | None,
+    run_at: datetime | None,
+    max_payload: int,
+) -> JobRow:
+    seconds, when = check_delay(delay, run_at)
+    return JobRow(
+        queue=check_name("queue", queue, MAX_QUEUE_LENGTH),
+        task=check_name("task", task, MAX_TASK_LENGTH),
+        args_json=serialize_args(args, max_payload),
+        priority=check_int("priority", priority, -_INT32),
+        run_at=when,
+        delay=seconds,
+        max_attempts=check_int("max_attempts", max_attempts, 1),
+    )
+
+
+# --- I/O: sync and async twins ------------------------------------------------------------
+
+
+def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> int:
+    record = conn.execute(q.insert_job, row.params()).fetchone()
+    assert record is not None
+    return int(record[0])
+
+
+async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobRow) -> int:
+    cursor = await conn.execute(q.insert_job, row.params())
+    record = await cursor.fetchone()
+    assert record is not None
+    return int(record[0])
+
+
+def copy_rows(conn: psycopg.Connection[Any], q: Queries, rows: Sequence[JobRow]) -> int:
+    with conn.cursor() as cur:
+        now_row = cur.execute(q.database_now).fetchone()
+        assert now_row is not None
+        with cur.copy(q.copy_jobs) as copy:
+            copy.set_types(COPY_TYPES)
+            for row in rows:
+                copy.write_row(row.copy_row(now_row[0]))
+    return len(rows)
+
+
+async def copy_rows_async(
+    conn: psycopg.AsyncConnection[Any], q: Queries, rows: Iterable[JobRow]
+) -> int:
+    count = 0
+    async with conn.cursor() as cur:
+        await cur.execute(q.database_now)
+        now_row = await cur.fetchone()
+        assert now_row is not None
+        async with cur.copy(q.copy_jobs) as copy:
+            copy.set_types(COPY_TYPES)
+            for row in rows:
+                await copy.write_row(row.copy_row(now_row[0]))
+                count += 1
+    return count

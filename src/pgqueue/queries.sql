@@ -1,0 +1,180 @@
+-- Every statement pgqueue runs, by name. {schema} is the quoted schema and {channel} the quoted
+-- NOTIFY channel literal; values are always %(name)s parameters.
+
+-- name: insert_job
+-- One row, run_at from the database clock (now() + delay) unless an absolute time is given.
+INSERT INTO {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts)
+VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
+        COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
+        %(max_attempts)s)
+RETURNING id
+
+-- name: copy_jobs
+-- Bulk enqueue. COPY fires the statement-level trigger once for the whole batch.
+COPY {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts)
+FROM STDIN (FORMAT BINARY)
+
+-- name: database_now
+-- The reference time for bulk rows' run_at: the database clock, never the caller's.
+SELECT now()
+
+-- name: get_job
+SELECT id, queue, task, args, priority, run_at, status::text, attempts, max_attempts,
+       lease_token, lease_expires_at, worker_id, last_error, result,
+       created_at, claimed_at, started_at, finished_at
+FROM {schema}.pgqueue_jobs WHERE id = %(id)s
+
+-- name: requeue_job
+-- Dead or cancelled jobs only, with a fresh set of attempts; wakes the queue's workers.
+WITH requeued AS (
+    UPDATE {schema}.pgqueue_jobs
+    SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
+        claimed_at = NULL, started_at = NULL, result = NULL
+    WHERE id = %(id)s AND status IN ('dead', 'cancelled')
+    RETURNING queue
+)
+SELECT pg_notify({channel}, queue) FROM requeued
+
+-- name: cancel_job
+-- Only jobs nobody holds: a running job is never yanked from under its handler.
+UPDATE {schema}.pgqueue_jobs
+SET status = 'cancelled', finished_at = now()
+WHERE id = %(id)s AND status IN ('queued', 'retrying')
+RETURNING id
+
+-- name: status_counts
+SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
+GROUP BY queue, status ORDER BY queue, status
+
+-- name: claim_jobs
+-- One statement claims a batch. The inner SELECT is a range scan of pgqueue_jobs_ready_idx in
+-- exactly its order; SKIP LOCKED lets any number of workers claim at once without waiting on
+-- each other. Each claim gets a fresh lease token: the fencing token for every later write.
+UPDATE {schema}.pgqueue_jobs j
+SET status = 'running', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
+    lease_expires_at = now() + make_interval(secs => %(lease)s),
+    worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+FROM (
+    SELECT id FROM {schema}.pgqueue_jobs
+    WHERE status IN ('queued', 'retrying') AND run_at <= now()
+    ORDER BY priority DESC, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) next_jobs
+WHERE j.id = next_jobs.id
+RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts, j.lease_token,
+          extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds
+
+-- name: claim_jobs_in_queues
+-- The same claim restricted to a list of queues (pgqueue_jobs_ready_queue_idx when it is one).
+UPDATE {schema}.pgqueue_jobs j
+SET status = 'running', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
+    lease_expires_at = now() + make_interval(secs => %(lease)s),
+    worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+FROM (
+    SELECT id FROM {schema}.pgqueue_jobs
+    WHERE status IN ('queued', 'retrying') AND run_at <= now() AND queue = ANY(%(queues)s)
+    ORDER BY priority DESC, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) next_jobs
+WHERE j.id = next_jobs.id
+RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts, j.lease_token,
+          extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds
+
+-- name: complete_jobs
+-- Batched acks, fenced per job: a row changes only while it still carries the lease token this
+-- worker got when it claimed it. Rows missing from RETURNING were lost (reaped, re-claimed or
+-- cancelled) and the stale result is dropped.
+UPDATE {schema}.pgqueue_jobs j
+SET status = a.status::{schema}.pgqueue_status,
+    run_at = CASE WHEN a.status = 'retrying'
+                  THEN now() + make_interval(secs => a.delay) ELSE j.run_at END,
+    finished_at = CASE WHEN a.status = 'retrying' THEN NULL ELSE now() END,
+    started_at = now() - make_interval(secs => a.run_seconds),
+    last_error = COALESCE(a.error, j.last_error),
+    result = a.result::jsonb,
+    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(statuses)s::text[], %(delays)s::float8[],
+            %(errors)s::text[], %(results)s::text[], %(run_seconds)s::float8[])
+     AS a(id, token, status, delay, error, result, run_seconds)
+WHERE j.id = a.id AND j.lease_token = a.token AND j.status = 'running'
+RETURNING j.id
+
+-- name: release_leases
+-- Shutdown: give back jobs this worker will not finish, without counting the attempt, so other
+-- workers can take them at once. Fenced like every other write.
+UPDATE {schema}.pgqueue_jobs j
+SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
+    attempts = greatest(j.attempts - 1, 0), run_at = now(),
+    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS r(id, token)
+WHERE j.id = r.id AND j.lease_token = r.token AND j.status = 'running'
+RETURNING j.id
+
+-- name: extend_leases
+-- One statement per heartbeat for every lease this worker holds, plus its own liveness row
+-- (re-created if a reaper removed it during a long stall). Only lease_expires_at changes, a
+-- column in no index, so these are HOT updates. Rows missing from RETURNING are no longer held.
+WITH worker AS (
+    INSERT INTO {schema}.pgqueue_workers AS w (id, host, pid, queues, concurrency)
+    VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s)
+    ON CONFLICT (id) DO UPDATE
+    SET last_heartbeat_at = now(), stale_writes = w.stale_writes + %(stale_writes)s
+)
+UPDATE {schema}.pgqueue_jobs j
+SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS h(id, token)
+WHERE j.id = h.id AND j.lease_token = h.token AND j.status = 'running'
+RETURNING j.id
+
+-- name: register_worker
+INSERT INTO {schema}.pgqueue_workers (id, host, pid, queues, concurrency)
+VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s)
+ON CONFLICT (id) DO UPDATE SET last_heartbeat_at = now()
+
+-- name: deregister_worker
+DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
+
+-- name: reap_expired_leases
+-- Expired leases go back to retrying (with the same capped, fully jittered backoff as failures:
+-- random() * least(cap, base * 2^(attempts-1))) or to dead when out of attempts. Find and update
+-- are one statement, and the outer WHERE re-checks token and expiry on the locked row, so a job
+-- that completed or was re-claimed in between is never touched.
+UPDATE {schema}.pgqueue_jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
+             ::{schema}.pgqueue_status,
+    run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at
+                  ELSE now() + make_interval(secs => random() * least(
+                      %(backoff_cap)s::float8,
+                      %(backoff_base)s::float8 * power(2, greatest(j.attempts - 1, 0))))
+             END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    last_error = 'LeaseExpired: worker ' || COALESCE(j.worker_id::text, '?')
+                 || ' stopped extending its lease (crashed, stalled or lost its connection)',
+    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
+FROM (
+    SELECT id, lease_token FROM {schema}.pgqueue_jobs
+    WHERE status = 'running' AND lease_expires_at < now()
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+) expired
+WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
+  AND j.lease_expires_at < now()
+RETURNING j.id, j.status::text, j.attempts
+
+-- name: prune_workers
+-- Worker rows whose heartbeat stopped long ago (their jobs are the reaper's business).
+DELETE FROM {schema}.pgqueue_workers
+WHERE last_heartbeat_at < now() - make_interval(secs => %(older_than)s)
+
+-- name: prune_finished_jobs
+-- Keeps the hot table small: succeeded and cancelled jobs past the retention window go, in
+-- bounded batches (dead jobs stay until someone requeues or deletes them).
+DELETE FROM {schema}.pgqueue_jobs
+WHERE id IN (
+    SELECT id FROM {schema}.pgqueue_jobs
+    WHERE status IN ('succeeded', 'cancelled')
+      AND finished_at < now() - make_interval(secs => %(older_than)s)
+    LIMIT 10000
+)

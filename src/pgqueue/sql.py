@@ -1,0 +1,64 @@
+"""Loads the named statements of ``queries.sql`` once per schema.
+
+Statements are rendered to bytes up front (schema quoted with ``sql.Identifier``), so the hot path
+passes the same object every time and psycopg's prepared-statement cache recognises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from functools import cache
+from importlib import resources
+from typing import LiteralString, cast
+
+from psycopg import sql
+
+from .db import channel_for, validate_schema
+
+_SECTION = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def render(text: str, schema: str) -> bytes:
+    """Substitute the quoted schema and channel into a statement or migration."""
+    composed = sql.SQL(cast(LiteralString, text)).format(
+        schema=sql.Identifier(validate_schema(schema)),
+        channel=sql.Literal(channel_for(schema)),
+    )
+    return composed.as_string().encode()
+
+
+def _sections() -> dict[str, str]:
+    text = resources.files("pgqueue").joinpath("queries.sql").read_text("utf-8")
+    parts = _SECTION.split(text)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Queries:
+    insert_job: bytes
+    copy_jobs: bytes
+    database_now: bytes
+    get_job: bytes
+    requeue_job: bytes
+    cancel_job: bytes
+    status_counts: bytes
+    claim_jobs: bytes
+    claim_jobs_in_queues: bytes
+    complete_jobs: bytes
+    release_leases: bytes
+    extend_leases: bytes
+    register_worker: bytes
+    deregister_worker: bytes
+    reap_expired_leases: bytes
+    prune_workers: bytes
+    prune_finished_jobs: bytes
+
+
+@cache
+def queries(schema: str) -> Queries:
+    sections = _sections()
+    names = {f.name for f in dataclasses.fields(Queries)}
+    if set(sections) != names:
+        raise RuntimeError(f"queries.sql and Queries disagree: {sorted(set(sections) ^ names)}")
+    return Queries(**{name: render(body, schema) for name, body in sections.items()})

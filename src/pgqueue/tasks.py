@@ -1,0 +1,150 @@
+"""Task declarations: what ``@app.task`` returns, and per-call options via ``configure``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_type_hints
+
+import psycopg
+
+from .backoff import Backoff
+from .context import JobContext
+from .errors import InvalidJobError
+
+if TYPE_CHECKING:
+    from .app import App
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Connection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+
+
+def context_parameter(func: Callable[..., Any]) -> str | None:
+    """The name of the parameter annotated ``JobContext``, if the handler asks for one."""
+    try:
+        hints = get_type_hints(func)
+    except Exception:  # unresolvable annotations: fall back to the raw ones
+        hints = getattr(func, "__annotations__", {})
+    for name, hint in hints.items():
+        if name != "return" and (hint is JobContext or hint == "JobContext"):
+            return name
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOptions:
+    queue: str
+    priority: int = 0
+    max_attempts: int = 5
+    delay: float | timedelta | None = None
+    run_at: datetime | None = None
+    connection: Connection | None = None
+
+
+class Task(Generic[P, R]):
+    """A registered handler. Call it directly to run it in-process; ``enqueue`` to queue it."""
+
+    def __init__(
+        self,
+        app: App,
+        func: Callable[P, R],
+        *,
+        name: str,
+        options: TaskOptions,
+        timeout: float | None,
+        backoff: Backoff | None,
+    ) -> None:
+        self.app = app
+        self.func = func
+        self.name = name
+        self.options = options
+        self.timeout = timeout
+        self.backoff = backoff
+        self.is_async = inspect.iscoroutinefunction(func)
+        self.context_param = context_parameter(func)
+        self.signature = inspect.signature(func)
+        self.__doc__ = func.__doc__
+        self.__wrapped__ = func
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name!r} queue={self.options.queue!r}>"
+
+    def check_args(self, kwargs: dict[str, Any]) -> None:
+        """Refuse arguments the handler could never accept, at enqueue time."""
+        params = dict(self.signature.parameters)
+        if self.context_param:
+            params.pop(self.context_param, None)
+        try:
+            self.signature.replace(parameters=list(params.values())).bind(**kwargs)
+        except TypeError as exc:
+            raise InvalidJobError(f"arguments do not match task {self.name!r}: {exc}") from None
+
+    def configure(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        connection: Connection | None = None,
+    ) -> ConfiguredTask[P]:
+        """Per-call options; ``connection`` enqueues inside the caller's own transaction."""
+        changes: dict[str, Any] = {
+            k: v
+            for k, v in {
+                "queue": queue,
+                "priority": priority,
+                "max_attempts": max_attempts,
+                "delay": delay,
+                "run_at": run_at,
+                "connection": connection,
+            }.items()
+            if v is not None
+        }
+        return ConfiguredTask(self, replace(self.options, **changes))
+
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        return ConfiguredTask(self, self.options).enqueue(*args, **kwargs)
+
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        return await ConfiguredTask(self, self.options).enqueue_async(*args, **kwargs)
+
+
+class ConfiguredTask(Generic[P]):
+    def __init__(self, task: Task[P, Any], options: TaskOptions) -> None:
+        self.task = task
+        self.options = options
+
+    def _kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if args:
+            raise InvalidJobError("pass task arguments by keyword: they are stored as JSON by name")
+        self.task.check_args(kwargs)
+        return kwargs
+
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        o = self.options
+        conn = o.connection
+        if conn is not None and not isinstance(conn, psycopg.Connection):
+            raise InvalidJobError("enqueue() needs a sync psycopg Connection; use enqueue_async")
+        return self.task.app.enqueue(
+            self.task.name, self._kwargs(args, kwargs), queue=o.queue, priority=o.priority,
+            max_attempts=o.max_attempts, delay=o.delay, run_at=o.run_at, connection=conn,
+        )  # fmt: skip
+
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        o = self.options
+        conn = o.connection
+        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
+            raise InvalidJobError("enqueue_async() needs a psycopg AsyncConnection; use enqueue")
+        return await self.task.app.enqueue_async(
+            self.task.name, self._kwargs(args, kwargs), queue=o.queue, priority=o.priority,
+            max_attempts=o.max_attempts, delay=o.delay, run_at=o.run_at, connection=conn,
+        )  # fmt: skip
