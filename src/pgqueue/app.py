@@ -87,7 +87,7 @@ class App:
         backoff: Backoff | None = None,
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
-    def task(
+    def task(  # type: ignore[misc]
         self,
         func: Callable[P, R] | None = None,
         /,
@@ -113,7 +113,9 @@ class App:
             if timeout is not None and not timeout > 0:
                 raise ConfigurationError("timeout must be a positive number of seconds")
             options = TaskOptions(
-                queue=producer.check_name("queue", queue or self.default_queue, producer.MAX_QUEUE_LENGTH),
+                queue=producer.check_name(
+                    "queue", queue or self.default_queue, producer.MAX_QUEUE_LENGTH
+                ),
                 priority=producer.check_int("priority", priority, -(2**31 - 1)),
                 max_attempts=producer.check_int("max_attempts", max_attempts, 1),
             )
@@ -131,9 +133,14 @@ class App:
                 dsn = self.dsn
                 db.connect(dsn).close()  # a clear error now beats a pool timeout later
                 pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
-                    dsn, min_size=1, max_size=8, kwargs={"autocommit": True}, open=False,
-                    timeout=10, name="pgqueue-producer",
-                )  # fmt: skip
+                    dsn,
+                    min_size=1,
+                    max_size=8,
+                    kwargs={"autocommit": True},
+                    open=False,
+                    timeout=10,
+                    name="pgqueue-producer",
+                )
                 pool.open()
                 self._pool = pool
             return self._pool
@@ -145,9 +152,14 @@ class App:
             dsn = self.dsn
             await (await db.connect_async(dsn)).close()
             pool = AsyncConnectionPool(
-                dsn, min_size=1, max_size=8, kwargs={"autocommit": True}, open=False,
-                timeout=10, name="pgqueue-producer-async",
-            )  # fmt: skip
+                dsn,
+                min_size=1,
+                max_size=8,
+                kwargs={"autocommit": True},
+                open=False,
+                timeout=10,
+                name="pgqueue-producer-async",
+            )
             await pool.open()
             self._async_pools[loop_id] = pool
         return pool
@@ -211,8 +223,16 @@ class App:
     ) -> int:
         """Queue one job and return its id. With ``connection``, the job exists only if that
         connection's transaction commits."""
-        row = self._row(task, args, queue=queue, priority=priority, max_attempts=max_attempts,
-                        delay=delay, run_at=run_at, allow_unknown=allow_unknown)  # fmt: skip
+        row = self._row(
+            task,
+            args,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            delay=delay,
+            run_at=run_at,
+            allow_unknown=allow_unknown,
+        )
         if connection is not None:
             return producer.insert(connection, self.q, row)
         try:
@@ -234,8 +254,16 @@ class App:
         connection: psycopg.AsyncConnection[Any] | None = None,
         allow_unknown: bool = False,
     ) -> int:
-        row = self._row(task, args, queue=queue, priority=priority, max_attempts=max_attempts,
-                        delay=delay, run_at=run_at, allow_unknown=allow_unknown)  # fmt: skip
+        row = self._row(
+            task,
+            args,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            delay=delay,
+            run_at=run_at,
+            allow_unknown=allow_unknown,
+        )
         if connection is not None:
             return await producer.insert_async(connection, self.q, row)
         try:
@@ -253,15 +281,30 @@ class App:
                 spec = {"task": spec[0], "args": spec[1]}
             if not isinstance(spec, Mapping) or "task" not in spec:
                 raise InvalidJobError(f"job #{index}: expected a mapping with a 'task' key")
-            unknown = set(spec) - {"task", "args", "queue", "priority", "max_attempts", "delay", "run_at"}
+            unknown = set(spec) - {
+                "task",
+                "args",
+                "queue",
+                "priority",
+                "max_attempts",
+                "delay",
+                "run_at",
+            }
             if unknown:
                 raise InvalidJobError(f"job #{index}: unknown keys {sorted(unknown)}")
             try:
-                rows.append(self._row(
-                    spec["task"], spec.get("args"), queue=spec.get("queue"),
-                    priority=spec.get("priority"), max_attempts=spec.get("max_attempts"),
-                    delay=spec.get("delay"), run_at=spec.get("run_at"), allow_unknown=allow_unknown,
-                ))  # fmt: skip
+                rows.append(
+                    self._row(
+                        spec["task"],
+                        spec.get("args"),
+                        queue=spec.get("queue"),
+                        priority=spec.get("priority"),
+                        max_attempts=spec.get("max_attempts"),
+                        delay=spec.get("delay"),
+                        run_at=spec.get("run_at"),
+                        allow_unknown=allow_unknown,
+                    )
+                )
             except (InvalidJobError, UnknownTaskError) as exc:
                 raise type(exc)(f"job #{index}: {exc}") from None
         return rows

@@ -61,7 +61,9 @@ def describe_dsn(dsn: str) -> str:
 def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailableError:
     """One sentence for an unreachable database (the first line of libpq's message)."""
     reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    return DatabaseUnavailableError(f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}")
+    return DatabaseUnavailableError(
+        f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}"
+    )
 
 
 def connect(dsn: str, *, autocommit: bool = True, **kwargs: object) -> psycopg.Connection[object]:

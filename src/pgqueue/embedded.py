@@ -6,6 +6,7 @@ the cluster is created and started as the unprivileged ``postgres`` user.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -87,25 +88,45 @@ class EmbeddedPostgres:
             [str(self.bindir / args[0]), *args[1:]],
             capture_output=True,
             text=True,
-            preexec_fn=self._run_as,  # noqa: PLW1509 - needed to drop root before initdb
+            preexec_fn=self._run_as,
             cwd=self.tmp,
             check=False,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"{args[0]} failed: {result.stderr.strip() or result.stdout.strip()}")
+            raise RuntimeError(
+                f"{args[0]} failed: {result.stderr.strip() or result.stdout.strip()}"
+            )
 
     def start(self) -> EmbeddedPostgres:
         self._run(
-            "initdb", "-D", str(self.datadir), "-U", self.user, "--auth=trust",
-            "--encoding=UTF8", "--locale=C", "--no-sync",
-        )  # fmt: skip
+            "initdb",
+            "-D",
+            str(self.datadir),
+            "-U",
+            self.user,
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.tmp} "
             "-c max_connections=300 -c shared_buffers=128MB -c fsync=on "
             "-c log_min_messages=warning"
         )
-        self._run("pg_ctl", "-D", str(self.datadir), "-o", options, "-l",
-                  str(self.tmp / "server.log"), "-w", "-t", "60", "start")  # fmt: skip
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.datadir),
+            "-o",
+            options,
+            "-l",
+            str(self.tmp / "server.log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
         self.started = True
         return self
 
@@ -115,10 +136,8 @@ class EmbeddedPostgres:
 
     def stop(self) -> None:
         if self.started:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._run("pg_ctl", "-D", str(self.datadir), "-m", "immediate", "-w", "stop")
-            except RuntimeError:
-                pass
             self.started = False
         shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -25,7 +25,7 @@ class DatabaseUnavailableError(PgQueueError):
     """PostgreSQL could not be reached; the message says where and why."""
 
 
-class Retry(Exception):  # noqa: N818 - a control-flow signal, named like the action it asks for
+class Retry(Exception):
     """Raised by a handler to be retried after exactly `after` (a Retry-After).
 
     The attempt counts toward ``max_attempts``, so a job that keeps asking to be retried still
@@ -41,7 +41,7 @@ class Retry(Exception):  # noqa: N818 - a control-flow signal, named like the ac
         super().__init__(reason or f"retry requested after {seconds:g} s")
 
 
-class Fail(Exception):  # noqa: N818 - a control-flow signal
+class Fail(Exception):
     """Raised by a handler to fail the job permanently: it goes straight to ``dead``."""
 
     def __init__(self, reason: str = "failed permanently") -> None:

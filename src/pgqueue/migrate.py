@@ -56,7 +56,7 @@ def migrate(conn: psycopg.Connection[object], schema: str = "public") -> list[in
         rows = conn.execute(
             sql.SQL("SELECT version FROM {}.pgqueue_migrations").format(ident)
         ).fetchall()
-        done = {int(row[0]) for row in rows}  # type: ignore[index, call-overload]
+        done = {int(row[0]) for row in rows}  # type: ignore[index]
         for migration in available():
             if migration.version in done:
                 continue
@@ -80,4 +80,4 @@ def applied_versions(conn: psycopg.Connection[object], schema: str = "public") -
     except psycopg.errors.UndefinedTable:
         conn.rollback()
         return []
-    return [int(row[0]) for row in rows]  # type: ignore[index, call-overload]
+    return [int(row[0]) for row in rows]  # type: ignore[index]

@@ -111,7 +111,9 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
-        raise InvalidJobError(f"args must be a mapping of keyword arguments, got {type(args).__name__}")
+        raise InvalidJobError(
+            f"args must be a mapping of keyword arguments, got {type(args).__name__}"
+        )
     for key, value in args.items():
         if not isinstance(key, str) or not key.isidentifier():
             raise InvalidJobError(f"argument name {key!r} is not a valid Python identifier")
@@ -126,7 +128,9 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
     return text
 
 
-def check_delay(delay: float | timedelta | None, run_at: datetime | None) -> tuple[float, datetime | None]:
+def check_delay(
+    delay: float | timedelta | None, run_at: datetime | None
+) -> tuple[float, datetime | None]:
     if delay is not None and run_at is not None:
         raise InvalidJobError("give delay or run_at, not both")
     if run_at is not None:
@@ -141,7 +145,9 @@ def check_delay(delay: float | timedelta | None, run_at: datetime | None) -> tup
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise InvalidJobError(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
     if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidJobError(f"delay must be a finite, non-negative number of seconds, got {delay!r}")
+        raise InvalidJobError(
+            f"delay must be a finite, non-negative number of seconds, got {delay!r}"
+        )
     return float(seconds), None
 
 

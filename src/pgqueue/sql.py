@@ -10,7 +10,6 @@ import dataclasses
 import re
 from functools import cache
 from importlib import resources
-from typing import LiteralString, cast
 
 from psycopg import sql
 
@@ -21,7 +20,7 @@ _SECTION = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 def render(text: str, schema: str) -> bytes:
     """Substitute the quoted schema and channel into a statement or migration."""
-    composed = sql.SQL(cast(LiteralString, text)).format(
+    composed = sql.SQL(text).format(
         schema=sql.Identifier(validate_schema(schema)),
         channel=sql.Literal(channel_for(schema)),
     )

@@ -135,9 +135,15 @@ class ConfiguredTask(Generic[P]):
         if conn is not None and not isinstance(conn, psycopg.Connection):
             raise InvalidJobError("enqueue() needs a sync psycopg Connection; use enqueue_async")
         return self.task.app.enqueue(
-            self.task.name, self._kwargs(args, kwargs), queue=o.queue, priority=o.priority,
-            max_attempts=o.max_attempts, delay=o.delay, run_at=o.run_at, connection=conn,
-        )  # fmt: skip
+            self.task.name,
+            self._kwargs(args, kwargs),
+            queue=o.queue,
+            priority=o.priority,
+            max_attempts=o.max_attempts,
+            delay=o.delay,
+            run_at=o.run_at,
+            connection=conn,
+        )
 
     async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
         o = self.options
@@ -145,6 +151,12 @@ class ConfiguredTask(Generic[P]):
         if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
             raise InvalidJobError("enqueue_async() needs a psycopg AsyncConnection; use enqueue")
         return await self.task.app.enqueue_async(
-            self.task.name, self._kwargs(args, kwargs), queue=o.queue, priority=o.priority,
-            max_attempts=o.max_attempts, delay=o.delay, run_at=o.run_at, connection=conn,
-        )  # fmt: skip
+            self.task.name,
+            self._kwargs(args, kwargs),
+            queue=o.queue,
+            priority=o.priority,
+            max_attempts=o.max_attempts,
+            delay=o.delay,
+            run_at=o.run_at,
+            connection=conn,
+        )

@@ -1,0 +1,1 @@
+"""The worker runtime: one module per service, wired together by ``runtime.Worker``."""

@@ -1,0 +1,101 @@
+"""Writes results in batches: many completions per statement, fenced per job by lease token.
+
+A completion waits at most ``flush_interval`` (a few milliseconds) for company; a full batch goes
+at once. If the database is unreachable the batch is kept and retried: a lease that runs out in
+the meantime simply makes that write stale, and fencing refuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from ..sql import Queries
+from .executor import Outcome
+
+log = logging.getLogger("pgqueue.worker.completer")
+
+
+class Completer:
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        q: Queries,
+        on_written: Callable[[list[Outcome], set[int]], None],
+        *,
+        flush_interval: float = 0.002,
+        batch_size: int = 500,
+    ) -> None:
+        self.pool = pool
+        self.q = q
+        self.on_written = on_written
+        self.flush_interval = flush_interval
+        self.batch_size = batch_size
+        self.pending: list[Outcome] = []
+        self._has_work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def submit(self, outcome: Outcome) -> None:
+        self.pending.append(outcome)
+        self._idle.clear()
+        self._has_work.set()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Flush until stopped; the final flush is ``drain``'s job. Never cancelled mid-write
+        (a write that committed unseen would be resent and look stale): ``stop`` wakes it."""
+        while True:
+            await self._has_work.wait()
+            if stopping.is_set():
+                return
+            if len(self.pending) < self.batch_size:
+                await asyncio.sleep(self.flush_interval)
+            await self.flush_once()
+
+    async def flush_once(self) -> None:
+        batch = self.pending[: self.batch_size]
+        if not batch:
+            self._has_work.clear()
+            self._idle.set()
+            return
+        try:
+            accepted = await self._write(batch)
+        except (psycopg.Error, OSError) as exc:
+            log.warning("writing %d results failed (%s); retrying", len(batch), exc)
+            await asyncio.sleep(0.5)
+            return
+        del self.pending[: len(batch)]
+        if not self.pending:
+            self._has_work.clear()
+            self._idle.set()
+        self.on_written(batch, accepted)
+
+    async def _write(self, batch: list[Outcome]) -> set[int]:
+        params = {
+            "ids": [o.job_id for o in batch],
+            "tokens": [o.lease_token for o in batch],
+            "statuses": [o.status.value for o in batch],
+            "delays": [o.delay or 0.0 for o in batch],
+            "errors": [o.error for o in batch],
+            "results": [o.result for o in batch],
+            "run_seconds": [o.run_seconds for o in batch],
+        }
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(self.q.complete_jobs, params)
+            return {int(row[0]) for row in await cur.fetchall()}
+
+    def stop(self) -> None:
+        self._has_work.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Flush everything pending (shutdown); False if the database never took it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.pending and loop.time() < deadline:
+            await self.flush_once()
+        return not self.pending

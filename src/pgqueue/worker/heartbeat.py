@@ -1,0 +1,111 @@
+"""Extends every lease this worker holds in one statement per interval, on its own connection
+(so a busy pool never delays it), and refreshes the worker's row in ``pgqueue_workers``.
+
+A job missing from the statement's result is no longer ours (reaped or cancelled): its handler
+is cancelled locally. If heartbeats cannot reach the database, handlers whose lease has surely
+run out by now (judged conservatively on the monotonic clock) are abandoned as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from ..sql import Queries
+from .notifier import KEEPALIVES
+from .state import Held, Phase, WorkerState, pause
+
+log = logging.getLogger("pgqueue.worker.heartbeat")
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        dsn: str,
+        q: Queries,
+        state: WorkerState,
+        *,
+        worker_id: UUID,
+        queues: list[str] | None,
+        lease: float,
+        interval: float,
+        on_lost: Callable[[Held], None],
+        application_name: str,
+    ) -> None:
+        self.dsn = dsn
+        self.q = q
+        self.state = state
+        self.worker_id = worker_id
+        self.queues = queues
+        self.lease = lease
+        self.interval = interval
+        self.on_lost = on_lost
+        self.application_name = application_name
+        self.conn: psycopg.AsyncConnection[Any] | None = None
+        self.beats = 0
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self.conn is None or self.conn.closed or self.conn.broken:
+            self.conn = await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True, application_name=self.application_name, **KEEPALIVES
+            )
+        return self.conn
+
+    async def beat(self) -> None:
+        held = [h for h in self.state.held.values() if h.phase is not Phase.ABANDONED]
+        sent_at = time.monotonic()
+        stale = self.state.counters.stale_unreported
+        params = {
+            "worker_id": self.worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "queues": self.queues,
+            "concurrency": self.state.concurrency,
+            "stale_writes": stale,
+            "lease": self.lease,
+            "ids": [h.job.id for h in held],
+            "tokens": [h.job.lease_token for h in held],
+        }
+        conn = await self._connection()
+        # Bounded: a blackholed connection must not stall heartbeats past the lease.
+        cur = await asyncio.wait_for(conn.execute(self.q.extend_leases, params), self.interval)
+        kept = {int(row[0]) for row in await cur.fetchall()}
+        self.state.counters.stale_unreported -= stale
+        self.beats += 1
+        for h in held:
+            if h.job.id in kept:
+                h.lease_deadline = sent_at + self.lease
+            elif self.state.held.get(h.job.id) is h and h.phase is Phase.RUNNING:
+                log.warning("job %d: lease lost (reaped or cancelled); abandoning it", h.job.id)
+                self.on_lost(h)
+
+    def abandon_expired(self) -> None:
+        now = time.monotonic()
+        for h in list(self.state.held.values()):
+            if h.phase is Phase.RUNNING and now >= h.lease_deadline:
+                log.warning("job %d: lease ran out while the database was unreachable", h.job.id)
+                self.on_lost(h)
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            try:
+                await self.beat()
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                log.warning("heartbeat failed (%s); will retry", exc)
+                if self.conn is not None:
+                    await self.conn.close()
+                    self.conn = None
+            self.abandon_expired()
+            await pause(stopping, self.interval)
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            await self.conn.close()

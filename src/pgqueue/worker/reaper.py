@@ -1,0 +1,74 @@
+"""Recovers jobs whose lease expired, and keeps the tables small.
+
+Every worker runs one; there is no leader. The reaping statement is guarded on the expired lease
+itself (see ``reap_expired_leases``), so two reapers, or a reaper racing a late completion, can
+never overwrite a job that finished or was claimed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from ..backoff import Backoff
+from ..sql import Queries
+from .state import WorkerState, pause
+
+log = logging.getLogger("pgqueue.worker.reaper")
+
+
+class Reaper:
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        q: Queries,
+        state: WorkerState,
+        *,
+        backoff: Backoff,
+        interval: float,
+        lease: float,
+        retention: float | None,
+    ) -> None:
+        self.pool = pool
+        self.q = q
+        self.state = state
+        self.backoff = backoff
+        self.interval = interval
+        self.lease = lease
+        self.retention = retention
+        self.rounds = 0
+
+    async def reap(self) -> int:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                self.q.reap_expired_leases,
+                {"backoff_base": self.backoff.base, "backoff_cap": self.backoff.cap},
+            )
+            rows = await cur.fetchall()
+        for job_id, status, attempts in rows:
+            log.warning("job %s: lease expired on attempt %s; now %s", job_id, attempts, status)
+        self.state.counters.reaped += len(rows)
+        if rows:
+            self.state.wakeup.set()
+        return len(rows)
+
+    async def prune(self) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(self.q.prune_workers, {"older_than": max(60.0, 3 * self.lease)})
+            if self.retention is not None:
+                await conn.execute(self.q.prune_finished_jobs, {"older_than": self.retention})
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            try:
+                await self.reap()
+                if self.rounds % max(int(60 / self.interval), 1) == 0:
+                    await self.prune()
+            except (psycopg.Error, OSError) as exc:
+                log.warning("reaper round failed (%s); will retry", exc)
+            self.rounds += 1
+            await pause(stopping, self.interval)

@@ -1,0 +1,378 @@
+"""Wires the worker's services together and owns its life cycle: start, signals, shutdown.
+
+Data flows one way: notifier wakes the fetcher, the fetcher claims, the executor runs, the
+completer writes; the heartbeat keeps every held lease alive and the reaper recovers other
+workers' expired ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from .. import db
+from ..errors import ConfigurationError
+from .completer import Completer
+from .executor import Executor, Outcome
+from .fetcher import Fetcher
+from .heartbeat import Heartbeat
+from .notifier import KEEPALIVES, Notifier
+from .reaper import Reaper
+from .state import ClaimedJob, Held, Phase, WorkerState
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("pgqueue.worker")
+
+
+class Worker:
+    """A worker process's runtime. Options:
+
+    - ``queues``: queue names to serve (default: every queue);
+    - ``concurrency``: jobs run at once (async handlers on the loop, sync ones in threads);
+    - ``lease``: seconds a claim is held without a heartbeat (default 30);
+    - ``heartbeat_interval``: default ``lease / 3``, so two heartbeats can fail before a lease
+      runs out;
+    - ``poll_interval``: the fallback claim interval when no NOTIFY arrives (default 1 s);
+    - ``listen``: use LISTEN/NOTIFY (default True; False leaves polling only);
+    - ``grace_period``: seconds running jobs get to finish on SIGTERM (default 30);
+    - ``reaper_interval``: how often expired leases are looked for (default the heartbeat
+      interval); ``retention``: seconds succeeded/cancelled jobs are kept (default one day,
+      None keeps them).
+    """
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        queues: list[str] | tuple[str, ...] | None = None,
+        concurrency: int = 10,
+        lease: float = 30.0,
+        heartbeat_interval: float | None = None,
+        poll_interval: float = 1.0,
+        listen: bool = True,
+        grace_period: float = 30.0,
+        reaper_interval: float | None = None,
+        retention: float | None = 86400.0,
+        install_signal_handlers: bool = True,
+        flush_interval: float = 0.002,
+    ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigurationError("concurrency must be a positive integer")
+        if not lease > 0:
+            raise ConfigurationError("lease must be a positive number of seconds")
+        heartbeat_interval = heartbeat_interval if heartbeat_interval is not None else lease / 3
+        if not 0 < heartbeat_interval < lease:
+            raise ConfigurationError(
+                "heartbeat_interval must be positive and shorter than the lease"
+            )
+        if not poll_interval > 0 or not grace_period >= 0:
+            raise ConfigurationError("poll_interval must be positive and grace_period >= 0")
+        if queues is not None:
+            queues = [q.strip() for q in queues if q.strip()]
+            if not queues:
+                raise ConfigurationError("queues must name at least one queue (or be None for all)")
+        self.app = app
+        self.queues = list(queues) if queues is not None else None
+        self.lease = float(lease)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.poll_interval = float(poll_interval)
+        self.listen = listen
+        self.grace_period = float(grace_period)
+        self.reaper_interval = float(reaper_interval or heartbeat_interval)
+        self.retention = retention
+        self.install_signal_handlers = install_signal_handlers
+        self.flush_interval = flush_interval
+        self.id = uuid.uuid4()
+        self.concurrency = concurrency
+        self.state: WorkerState | None = None
+        self.started = threading.Event()
+        self.stopped = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- public ---------------------------------------------------------------------------
+
+    def run_sync(self) -> None:
+        asyncio.run(self.run())
+
+    def stop(self) -> None:
+        """Ask for a graceful stop; safe from any thread."""
+        loop = self._loop
+        if loop is not None and self.state is not None:
+            loop.call_soon_threadsafe(self._begin_stop)
+
+    async def run(self) -> None:
+        dsn = self.app.dsn
+        self._loop = asyncio.get_running_loop()
+        self.state = state = WorkerState(concurrency=self.concurrency)
+        q = self.app.q
+        name = f"pgqueue-worker:{os.getpid()}"
+        await self._check_database(dsn)
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            dsn,
+            min_size=2,
+            max_size=4,
+            open=False,
+            timeout=10,
+            name="pgqueue-worker",
+            kwargs={"autocommit": True, "application_name": f"{name}:pool", **KEEPALIVES},
+        )
+        await pool.open()
+        threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="pgqueue-task")
+        self.executor = Executor(self.app, self.id, threads)
+        self.completer = Completer(pool, q, self._on_written, flush_interval=self.flush_interval)
+        self.fetcher = Fetcher(
+            pool,
+            q,
+            state,
+            worker_id=self.id,
+            queues=self.queues,
+            lease=self.lease,
+            poll_interval=self.poll_interval,
+            start=self._start,
+        )
+        self.heartbeat = Heartbeat(
+            dsn,
+            q,
+            state,
+            worker_id=self.id,
+            queues=self.queues,
+            lease=self.lease,
+            interval=self.heartbeat_interval,
+            on_lost=self._on_lost,
+            application_name=f"{name}:heartbeat",
+        )
+        self.reaper = Reaper(
+            pool,
+            q,
+            state,
+            backoff=self.app.backoff,
+            interval=self.reaper_interval,
+            lease=self.lease,
+            retention=self.retention,
+        )
+        self.notifier = Notifier(
+            dsn,
+            db.channel_for(self.app.schema),
+            frozenset(self.queues) if self.queues is not None else None,
+            self.fetcher.notify,
+            f"{name}:listen",
+        )
+        services_stop = asyncio.Event()
+        await self._register(pool)
+        self._install_signals()
+        services = [
+            asyncio.create_task(self.heartbeat.run(services_stop), name="heartbeat"),
+            asyncio.create_task(self.reaper.run(services_stop), name="reaper"),
+            asyncio.create_task(self.completer.run(services_stop), name="completer"),
+        ]
+        if self.listen:
+            services.append(asyncio.create_task(self.notifier.run(services_stop), name="notifier"))
+        fetcher = asyncio.create_task(self.fetcher.run(state.stopping), name="fetcher")
+        log.info(
+            "worker %s started: queues=%s concurrency=%d lease=%gs",
+            self.id,
+            ",".join(self.queues) if self.queues else "*",
+            self.concurrency,
+            self.lease,
+        )
+        self.started.set()
+        try:
+            await state.stopping.wait()
+            await fetcher
+            await self._drain_handlers()
+            self.completer.stop()
+            services_stop.set()
+            await asyncio.gather(*services, return_exceptions=True)
+            await self.completer.drain(timeout=10)
+            await self._release_unfinished(pool)
+            await self._deregister(pool)
+        finally:
+            for task in [fetcher, *services]:
+                task.cancel()
+            await self.heartbeat.close()
+            await pool.close()
+            threads.shutdown(wait=False, cancel_futures=True)
+            self._remove_signals()
+            self.stopped.set()
+            log.info("worker %s stopped", self.id)
+
+    # --- life cycle -----------------------------------------------------------------------
+
+    async def _check_database(self, dsn: str) -> None:
+        conn = await db.connect_async(dsn)
+        async with conn:
+            try:
+                await conn.execute(
+                    self.app.q.status_counts.replace(b"GROUP BY", b"WHERE false GROUP BY")
+                )
+            except psycopg.errors.UndefinedTable:
+                raise ConfigurationError(
+                    f"pgqueue's tables are missing in schema {self.app.schema!r}: run "
+                    "`pgqueue migrate` (or app.migrate()) first"
+                ) from None
+
+    async def _register(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+        async with pool.connection() as conn:
+            await conn.execute(
+                self.app.q.register_worker,
+                {
+                    "worker_id": self.id,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "queues": self.queues,
+                    "concurrency": self.concurrency,
+                },
+            )
+
+    async def _deregister(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+        try:
+            async with pool.connection() as conn:
+                await conn.execute(self.app.q.deregister_worker, {"worker_id": self.id})
+        except (psycopg.Error, OSError) as exc:
+            log.warning("could not deregister (%s); the row will be pruned", exc)
+
+    def _begin_stop(self) -> None:
+        assert self.state is not None
+        if not self.state.stopping.is_set():
+            log.info("stopping: no new claims; running jobs get %gs to finish", self.grace_period)
+            self.state.stopping.set()
+            self.state.wakeup.set()
+
+    def _install_signals(self) -> None:
+        if (
+            not self.install_signal_handlers
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _remove_signals(self) -> None:
+        if (
+            not self.install_signal_handlers
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting now; unfinished leases will expire and be reaped")
+            os._exit(1)
+        self._begin_stop()
+
+    async def _drain_handlers(self) -> None:
+        handlers = [t for t in self._tasks if not t.done()]
+        if handlers:
+            _, pending = await asyncio.wait(handlers, timeout=self.grace_period)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning("cancelling %d jobs still running after the grace period", len(pending))
+                await asyncio.wait(pending, timeout=5)
+
+    async def _release_unfinished(
+        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+    ) -> None:
+        assert self.state is not None
+        unfinished = [h for h in self.state.held.values() if h.phase is Phase.RUNNING]
+        if not unfinished:
+            return
+        try:
+            async with pool.connection() as conn:
+                cur = await conn.execute(
+                    self.app.q.release_leases,
+                    {
+                        "ids": [h.job.id for h in unfinished],
+                        "tokens": [h.job.lease_token for h in unfinished],
+                    },
+                )
+                released = len(await cur.fetchall())
+            self.state.counters.released += released
+            log.info("released %d unfinished jobs for other workers", released)
+        except (psycopg.Error, OSError) as exc:
+            log.warning("could not release %d leases (%s); they will expire", len(unfinished), exc)
+
+    # --- per job --------------------------------------------------------------------------
+
+    def _start(self, job: ClaimedJob) -> None:
+        assert self.state is not None
+        state = self.state
+        state.counters.claimed += 1
+        held = Held(job=job, lease_deadline=state.lease_deadline(self.lease))
+        state.held[job.id] = held
+        if state.stopping.is_set():
+            return  # claimed as we stopped: released with the other unfinished jobs
+        state.running += 1
+        task = asyncio.create_task(self._execute(held), name=f"job-{job.id}")
+        held.handler = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, held: Held) -> None:
+        assert self.state is not None
+        try:
+            outcome = await self.executor.run(held.job, self.lease)
+        except asyncio.CancelledError:
+            if held.lost:
+                self.state.held.pop(held.job.id, None)
+            return
+        finally:
+            self.state.running -= 1
+            self.state.wakeup.set()
+        held.phase = Phase.ACKING
+        self.completer.submit(outcome)
+
+    def _on_lost(self, held: Held) -> None:
+        assert self.state is not None
+        if not held.lost:
+            held.lost = True
+            self._count_stale(held.job.id)
+        held.phase = Phase.ABANDONED
+        if held.handler is not None and not held.handler.done():
+            held.handler.cancel()
+        else:
+            self.state.held.pop(held.job.id, None)
+
+    def _count_stale(self, job_id: int) -> None:
+        assert self.state is not None
+        self.state.counters.stale_writes += 1
+        self.state.counters.stale_unreported += 1
+
+    def _on_written(self, batch: list[Outcome], accepted: set[int]) -> None:
+        assert self.state is not None
+        counters = self.state.counters
+        for outcome in batch:
+            held = self.state.held.pop(outcome.job_id, None)
+            if outcome.job_id not in accepted:
+                log.warning(
+                    "job %d: result refused, the lease was no longer ours (fenced stale write)",
+                    outcome.job_id,
+                )
+                if held is None or not held.lost:
+                    self._count_stale(outcome.job_id)
+                continue
+            if outcome.status.value == "succeeded":
+                counters.succeeded += 1
+            elif outcome.status.value == "retrying":
+                counters.retried += 1
+            else:
+                counters.dead += 1

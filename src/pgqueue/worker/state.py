@@ -1,0 +1,78 @@
+"""What the worker's services share: the jobs this process holds and what happened to them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"  # the handler is running
+    ACKING = "acking"  # the handler finished; its result waits in the completer
+    ABANDONED = "abandoned"  # lease lost or timed out: nothing more will be written for it
+
+
+@dataclass(slots=True)
+class ClaimedJob:
+    id: int
+    queue: str
+    task: str
+    args: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    lease_token: UUID
+    pickup_seconds: float
+
+
+@dataclass(slots=True)
+class Held:
+    """A job whose lease this worker holds until its result is written or the lease is lost."""
+
+    job: ClaimedJob
+    #: Monotonic time by which the lease has surely run out in the database unless extended.
+    lease_deadline: float
+    phase: Phase = Phase.RUNNING
+    handler: asyncio.Task[Any] | None = None
+    lost: bool = False
+
+
+@dataclass
+class Counters:
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    dead: int = 0
+    released: int = 0
+    #: Writes (acks, heartbeats) refused by fencing because the lease was no longer ours.
+    stale_writes: int = 0
+    stale_unreported: int = 0
+    reaped: int = 0
+
+
+@dataclass
+class WorkerState:
+    concurrency: int
+    held: dict[int, Held] = field(default_factory=dict)
+    running: int = 0
+    counters: Counters = field(default_factory=Counters)
+    #: Set whenever there may be work: a NOTIFY, a freed slot, a poll tick.
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.concurrency - self.running, 0)
+
+    def lease_deadline(self, lease: float) -> float:
+        return time.monotonic() + lease
+
+
+async def pause(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep for ``seconds`` or until ``stopping`` is set, whichever comes first."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
