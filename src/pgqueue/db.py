@@ -59,8 +59,9 @@ def describe_dsn(dsn: str) -> str:
 
 
 def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailableError:
-    """One sentence for an unreachable database (the first line of libpq's message)."""
-    reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    """One sentence for an unreachable database: libpq's reason, without its preamble."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    reason = first.rsplit(" failed: ", 1)[-1].replace("FATAL:  ", "")
     return DatabaseUnavailableError(
         f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}"
     )

@@ -1,0 +1,257 @@
+"""The ``pgqueue`` command. Every command takes ``--dsn`` (else $PGQUEUE_DSN, else $DATABASE_URL)
+and ``--schema``; an unreachable database is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import psycopg
+
+from . import __version__
+from .app import App
+from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def friendly_errors(func: F) -> F:
+    """Turn pgqueue's and psycopg's errors into one clear line and a non-zero exit."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except DatabaseUnavailableError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except PgQueueError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except psycopg.errors.UndefinedTable:
+            click.echo("error: pgqueue's tables are missing: run `pgqueue migrate` first", err=True)
+            sys.exit(1)
+        except psycopg.OperationalError as exc:
+            click.echo(f"error: database error: {str(exc).strip().splitlines()[-1]}", err=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def db_options(func: F) -> F:
+    func = click.option("--schema", default="public", show_default=True, help="PostgreSQL schema.")(
+        func
+    )
+    func = click.option(
+        "--dsn",
+        envvar="PGQUEUE_DSN",
+        help="PostgreSQL DSN (default: $PGQUEUE_DSN, else $DATABASE_URL).",
+    )(func)
+    return func
+
+
+def load_app(spec: str) -> App:
+    """``module.path:attribute`` → the App object it names."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"--app must look like 'package.module:app', got {spec!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from None
+    app = getattr(module, attr, None)
+    if not isinstance(app, App):
+        raise ConfigurationError(f"{spec!r} is not a pgqueue.App (got {type(app).__name__})")
+    return app
+
+
+def make_app(dsn: str | None, schema: str, app_spec: str | None = None) -> App:
+    if app_spec:
+        app = load_app(app_spec)
+        if dsn:
+            app.dsn = dsn
+        if schema != "public" and app.schema != schema:
+            raise ConfigurationError(f"--schema {schema!r} differs from the app's {app.schema!r}")
+        app.dsn  # noqa: B018 - resolve now for a clear error
+        return app
+    app = App(dsn, schema=schema)
+    app.dsn  # noqa: B018
+    return app
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="pgqueue")
+def main() -> None:
+    """pgqueue: a job queue for Python where PostgreSQL is the whole broker."""
+
+
+@main.command()
+@db_options
+@friendly_errors
+def migrate(dsn: str | None, schema: str) -> None:
+    """Create or upgrade pgqueue's tables (idempotent, safe to run concurrently)."""
+    applied = make_app(dsn, schema).migrate()
+    if applied:
+        click.echo(f"applied migrations: {', '.join(f'{v:04d}' for v in applied)}")
+    else:
+        click.echo("schema is up to date")
+
+
+@main.command()
+@click.argument("task")
+@click.option("--args", "args_json", default="{}", help="Keyword arguments as a JSON object.")
+@click.option("--queue", default=None, help="Queue (default: the task's, else 'default').")
+@click.option("--delay", type=float, default=None, help="Seconds to wait before running.")
+@click.option("--priority", type=int, default=None, help="Higher runs first.")
+@click.option("--max-attempts", type=int, default=None)
+@click.option("--app", "app_spec", default=None, help="module:app, to check the task exists.")
+@db_options
+@friendly_errors
+def enqueue(
+    task: str,
+    args_json: str,
+    queue: str | None,
+    delay: float | None,
+    priority: int | None,
+    max_attempts: int | None,
+    app_spec: str | None,
+    dsn: str | None,
+    schema: str,
+) -> None:
+    """Queue a job for TASK and print its id."""
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--args") from None
+    app = make_app(dsn, schema, app_spec)
+    job_id = app.enqueue(
+        task,
+        args,
+        queue=queue,
+        delay=delay,
+        priority=priority,
+        max_attempts=max_attempts,
+        allow_unknown=app_spec is None,
+    )
+    click.echo(job_id)
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@db_options
+@friendly_errors
+def requeue(job_id: int, dsn: str | None, schema: str) -> None:
+    """Run a dead or cancelled job again."""
+    if not make_app(dsn, schema).requeue(job_id):
+        click.echo(f"error: job {job_id} does not exist or is not dead or cancelled", err=True)
+        sys.exit(1)
+    click.echo(f"job {job_id} requeued")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@db_options
+@friendly_errors
+def cancel(job_id: int, dsn: str | None, schema: str) -> None:
+    """Cancel a job that is not running yet."""
+    if not make_app(dsn, schema).cancel(job_id):
+        click.echo(f"error: job {job_id} does not exist or is not queued or retrying", err=True)
+        sys.exit(1)
+    click.echo(f"job {job_id} cancelled")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
+@db_options
+@friendly_errors
+def job(job_id: int, as_json: bool, dsn: str | None, schema: str) -> None:
+    """Show one job."""
+    found = make_app(dsn, schema).get_job(job_id)
+    if found is None:
+        click.echo(f"error: job {job_id} does not exist", err=True)
+        sys.exit(1)
+    fields = {k: getattr(found, k) for k in found.__dataclass_fields__}
+    if as_json:
+        click.echo(json.dumps(fields, default=str, indent=2, ensure_ascii=False))
+        return
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key == "args" or key == "result":
+            value = json.dumps(value, ensure_ascii=False)
+        text = str(value)
+        if "\n" in text:
+            click.echo(f"{key}:")
+            click.echo("  " + text.replace("\n", "\n  "))
+        else:
+            click.echo(f"{key}: {text}")
+
+
+@main.command()
+@db_options
+@friendly_errors
+def status(dsn: str | None, schema: str) -> None:
+    """Job counts per queue and status."""
+    counts = make_app(dsn, schema).status_counts()
+    if not counts:
+        click.echo("no jobs")
+        return
+    statuses = ["queued", "running", "retrying", "succeeded", "dead", "cancelled"]
+    table: dict[str, dict[str, int]] = {}
+    for queue, state, count in counts:
+        table.setdefault(queue, {})[state] = count
+    width = max(5, *(len(q) for q in table))
+    click.echo("queue".ljust(width) + "".join(s.rjust(11) for s in statuses))
+    for queue, row in table.items():
+        click.echo(queue.ljust(width) + "".join(str(row.get(s, 0)).rjust(11) for s in statuses))
+
+
+@main.command()
+@click.option("--app", "app_spec", required=True, help="module:app holding your tasks.")
+@click.option("--queues", default=None, help="Comma-separated queues (default: all).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
+@click.option("--poll-interval", type=float, default=1.0, show_default=True)
+@click.option("--grace-period", type=float, default=30.0, show_default=True)
+@click.option("--no-listen", is_flag=True, help="Poll only; do not LISTEN for NOTIFY.")
+@click.option("--log-level", default="INFO", show_default=True)
+@db_options
+@friendly_errors
+def worker(
+    app_spec: str,
+    queues: str | None,
+    concurrency: int,
+    lease: float,
+    poll_interval: float,
+    grace_period: float,
+    no_listen: bool,
+    log_level: str,
+    dsn: str | None,
+    schema: str,
+) -> None:
+    """Run a worker until SIGTERM/SIGINT (a second signal exits at once)."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = make_app(dsn, schema, app_spec)
+    app.run_worker(
+        queues=queues.split(",") if queues else None,
+        concurrency=concurrency,
+        lease=lease,
+        poll_interval=poll_interval,
+        grace_period=grace_period,
+        listen=not no_listen,
+    )
+
+
+if __name__ == "__main__":
+    main()
