@@ -38,12 +38,10 @@ class Completer:
         self.batch_size = batch_size
         self.pending: list[Outcome] = []
         self._has_work = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._stopped = False
 
     def submit(self, outcome: Outcome) -> None:
         self.pending.append(outcome)
-        self._idle.clear()
         self._has_work.set()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -51,7 +49,7 @@ class Completer:
         (a write that committed unseen would be resent and look stale): ``stop`` wakes it."""
         while True:
             await self._has_work.wait()
-            if stopping.is_set():
+            if self._stopped or stopping.is_set():
                 return
             if len(self.pending) < self.batch_size:
                 await asyncio.sleep(self.flush_interval)
@@ -60,8 +58,8 @@ class Completer:
     async def flush_once(self) -> None:
         batch = self.pending[: self.batch_size]
         if not batch:
-            self._has_work.clear()
-            self._idle.set()
+            if not self._stopped:
+                self._has_work.clear()
             return
         try:
             accepted = await self._write(batch)
@@ -70,9 +68,8 @@ class Completer:
             await asyncio.sleep(0.5)
             return
         del self.pending[: len(batch)]
-        if not self.pending:
+        if not self.pending and not self._stopped:
             self._has_work.clear()
-            self._idle.set()
         self.on_written(batch, accepted)
 
     async def _write(self, batch: list[Outcome]) -> set[int]:
@@ -90,6 +87,7 @@ class Completer:
             return {int(row[0]) for row in await cur.fetchall()}
 
     def stop(self) -> None:
+        self._stopped = True
         self._has_work.set()
 
     async def drain(self, timeout: float) -> bool:

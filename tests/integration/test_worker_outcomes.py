@@ -1,0 +1,285 @@
+"""Outcomes of one attempt, with an in-process worker on a real database."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+import pgqueue
+from tests.helpers import running_worker, wait_until_async
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
+
+
+def job_row(conn: Conn, job_id: int) -> tuple[Any, ...]:
+    row = conn.execute(
+        "SELECT status::text, attempts, last_error, result, lease_token, worker_id,"
+        " extract(epoch FROM run_at - now()) FROM pgqueue_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert row is not None
+    return row
+
+
+def status_is(conn: Conn, job_id: int, *statuses: str) -> Any:
+    return lambda: job_row(conn, job_id)[0] in statuses
+
+
+async def test_success_stores_result_and_clears_lease(app: pgqueue.App, conn: Conn) -> None:
+    @app.task
+    async def add(a: int, b: int) -> dict[str, int]:
+        return {"sum": a + b}
+
+    job_id = add.enqueue(a=2, b=3)
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "succeeded"))
+    status, attempts, error, result, token, worker, _ = job_row(conn, job_id)
+    assert (status, attempts, error, result, token, worker) == (
+        "succeeded",
+        1,
+        None,
+        {"sum": 5},
+        None,
+        None,
+    )
+    row = conn.execute(
+        "SELECT finished_at IS NOT NULL, started_at >= claimed_at - interval '1 second'"
+        " FROM pgqueue_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert row == (True, True)
+
+
+async def test_sync_handler_runs_in_thread_without_blocking_heartbeats(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task
+    def slow() -> str:
+        time.sleep(2.5)  # longer than the lease: only heartbeats keep it
+        return "done"
+
+    job_id = slow.enqueue()
+    async with running_worker(app, **FAST) as worker:
+        await wait_until_async(status_is(conn, job_id, "succeeded"), timeout=15)
+        assert worker.state is not None
+        assert worker.state.counters.stale_writes == 0
+    assert job_row(conn, job_id)[1] == 1
+
+
+async def test_exception_retries_with_backoff_then_dies_with_last_error(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    app.backoff = pgqueue.Backoff(base=0.2, cap=0.4)
+
+    @app.task(max_attempts=3)
+    def flaky() -> None:
+        raise RuntimeError("remote said no")
+
+    job_id = flaky.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "dead"), timeout=15)
+    status, attempts, error, *_ = job_row(conn, job_id)
+    assert attempts == 3
+    assert error.startswith("RuntimeError: remote said no")
+    assert "Traceback" in error
+
+
+async def test_retry_delay_is_within_the_backoff_bounds(app: pgqueue.App, conn: Conn) -> None:
+    app.backoff = pgqueue.Backoff(base=30, cap=3600)
+
+    @app.task(max_attempts=5)
+    def fails() -> None:
+        raise ValueError("x")
+
+    job_id = fails.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "retrying"))
+    seconds_left = job_row(conn, job_id)[6]
+    assert 0 <= seconds_left <= 30  # first retry: uniform(0, base)
+
+
+async def test_retry_after_delays_exactly_and_counts_the_attempt(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(max_attempts=5)
+    def rate_limited() -> None:
+        raise pgqueue.Retry(after=120, reason="429 from upstream")
+
+    job_id = rate_limited.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "retrying"))
+    status, attempts, error, *_, seconds_left = job_row(conn, job_id)
+    assert attempts == 1
+    assert 118 <= seconds_left <= 120
+    assert "429 from upstream" in error
+
+
+async def test_fail_goes_straight_to_dead(app: pgqueue.App, conn: Conn) -> None:
+    @app.task(max_attempts=10)
+    def invalid_order() -> None:
+        raise pgqueue.Fail("order 7 does not exist")
+
+    job_id = invalid_order.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "dead"))
+    _, attempts, error, *_ = job_row(conn, job_id)
+    assert attempts == 1
+    assert error == "Fail: order 7 does not exist"
+
+
+async def test_requeued_dead_job_runs_again(app: pgqueue.App, conn: Conn) -> None:
+    calls: list[int] = []
+
+    @app.task(max_attempts=1)
+    def once_broken(ctx: pgqueue.JobContext) -> None:
+        calls.append(ctx.attempt)
+        if len(calls) == 1:
+            raise RuntimeError("first time fails")
+
+    job_id = once_broken.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "dead"))
+        assert app.requeue(job_id)
+        await wait_until_async(status_is(conn, job_id, "succeeded"))
+    assert calls == [1, 1]
+
+
+async def test_async_timeout_cancels_the_handler(app: pgqueue.App, conn: Conn) -> None:
+    cancelled = asyncio.Event()
+
+    @app.task(timeout=0.3, max_attempts=1)
+    async def hangs() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    job_id = hangs.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "dead"))
+    assert cancelled.is_set()
+    assert "exceeded its timeout of 0.3 s" in job_row(conn, job_id)[2]
+
+
+async def test_sync_timeout_abandons_the_thread_and_frees_the_lease(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(timeout=0.3, max_attempts=2)
+    def stuck() -> None:
+        time.sleep(1.5)
+
+    job_id = stuck.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "retrying", "dead"), timeout=5)
+        _, attempts, error, _, token, worker, _ = job_row(conn, job_id)
+        assert token is None and worker is None
+        assert "TaskTimeoutError" in error
+
+
+async def test_unknown_task_fails_clearly_and_ends_dead(app: pgqueue.App, conn: Conn) -> None:
+    app.backoff = pgqueue.Backoff(base=0.05, cap=0.1)
+    job_id = app.enqueue("not.deployed.yet", {}, max_attempts=2, allow_unknown=True)
+    async with running_worker(app, **FAST):
+        await wait_until_async(status_is(conn, job_id, "dead"), timeout=10)
+    _, attempts, error, *_ = job_row(conn, job_id)
+    assert attempts == 2
+    assert "unknown task 'not.deployed.yet'" in error
+
+
+async def test_handler_gets_its_context(app: pgqueue.App, conn: Conn) -> None:
+    seen: list[pgqueue.JobContext] = []
+
+    @app.task(queue="ctxq")
+    async def introspect(ctx: pgqueue.JobContext, n: int) -> None:
+        seen.append(ctx)
+
+    job_id = introspect.enqueue(n=1)
+    async with running_worker(app, **FAST) as worker:
+        await wait_until_async(status_is(conn, job_id, "succeeded"))
+    (ctx,) = seen
+    assert (ctx.job_id, ctx.attempt, ctx.queue, ctx.worker_id) == (job_id, 1, "ctxq", worker.id)
+    assert ctx.lease_deadline > time.time() - 5
+
+
+async def test_worker_registers_and_deregisters(app: pgqueue.App, conn: Conn) -> None:
+    async with running_worker(app, concurrency=7, queues=["a", "b"], **FAST) as worker:
+        row = conn.execute(
+            "SELECT concurrency, queues, pid > 0 FROM pgqueue_workers WHERE id = %s", (worker.id,)
+        ).fetchone()
+        assert row == (7, ["a", "b"], True)
+    assert conn.execute("SELECT count(*) FROM pgqueue_workers").fetchone() == (0,)
+
+
+async def test_worker_only_claims_its_queues_and_never_more_than_its_slots(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    release = asyncio.Event()
+    running_now = 0
+    peak = 0
+
+    @app.task(queue="mine")
+    async def held() -> None:
+        nonlocal running_now, peak
+        running_now += 1
+        peak = max(peak, running_now)
+        await release.wait()
+        running_now -= 1
+
+    app.enqueue_many([("held", {}) for _ in range(20)])
+    other = app.enqueue("held", {}, queue="theirs")
+    async with running_worker(app, queues=["mine"], concurrency=4, **FAST):
+        await wait_until_async(lambda: running_now == 4)
+        counts = dict(
+            conn.execute(
+                "SELECT status::text, count(*) FROM pgqueue_jobs WHERE queue = 'mine' GROUP BY 1"
+            ).fetchall()
+        )
+        assert counts == {"running": 4, "queued": 16}
+        release.set()
+        await wait_until_async(
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM pgqueue_jobs WHERE queue='mine' AND status='succeeded'"
+                ).fetchone()
+                == (20,)
+            )
+        )
+    assert peak == 4
+    assert job_row(conn, other)[0] == "queued"
+
+
+async def test_scheduled_job_runs_on_time_without_notification(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    ran_at: list[float] = []
+
+    @app.task
+    async def later() -> None:
+        ran_at.append(time.monotonic())
+
+    start = time.monotonic()
+    later.configure(delay=1.0).enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(lambda: ran_at, timeout=5)
+    assert 0.95 <= ran_at[0] - start <= 1.0 + FAST["poll_interval"] + 0.5
+
+
+@pytest.mark.parametrize("listen", [True, False])
+async def test_polling_is_the_fallback_when_listen_is_off(
+    app: pgqueue.App, conn: Conn, listen: bool
+) -> None:
+    done = asyncio.Event()
+
+    @app.task
+    async def ping() -> None:
+        done.set()
+
+    async with running_worker(app, listen=listen, **FAST):
+        ping.enqueue()
+        await asyncio.wait_for(done.wait(), 5)
