@@ -6,6 +6,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pgqueue
 from pgqueue import InvalidJobError, Status, UnknownTaskError
@@ -289,3 +291,35 @@ def test_unreachable_database_is_a_clear_error() -> None:
         app.enqueue("t", {}, allow_unknown=True)
     with pytest.raises(pgqueue.DatabaseUnavailableError):
         asyncio.run(app.enqueue_async("t", {}, allow_unknown=True))
+
+
+_text = st.text(st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=20)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**53), max_value=2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(_text, children, max_size=4),
+    max_leaves=15,
+)
+_args = st.dictionaries(st.from_regex(r"\A[a-z_][a-z0-9_]{0,10}\Z"), _json, max_size=4)
+
+
+def test_arguments_round_trip_through_insert_and_copy(app: pgqueue.App) -> None:
+    """What a handler receives is what the producer passed, via both write paths."""
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(_args)
+    def round_trip(args: dict[str, Any]) -> None:
+        job_id = app.enqueue("t", args, allow_unknown=True)
+        job = app.get_job(job_id)
+        assert job is not None and job.args == args
+        app.enqueue_many([{"task": "t", "args": args, "queue": "copy"}], allow_unknown=True)
+        with app.connection() as c:
+            row = c.execute(
+                "SELECT args FROM pgqueue_jobs WHERE queue = 'copy' ORDER BY id DESC LIMIT 1"
+            ).fetchone()
+        assert row is not None and row[0] == args
+
+    round_trip()

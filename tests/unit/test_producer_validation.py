@@ -47,6 +47,8 @@ class Opaque:
         ("a\x00b", "contains NUL"),
         ({"k\x00": 1}, "key containing NUL"),
         (["ok", "no\u0000"], "contains NUL"),
+        ("lone \ud800 surrogate", "lone surrogate"),
+        ({"\udc00": 1}, "key that is not valid UTF-8"),
     ],
 )
 def test_non_json_argument_is_refused_with_its_path(
@@ -55,6 +57,16 @@ def test_non_json_argument_is_refused_with_its_path(
     with pytest.raises(InvalidJobError, match=message) as info:
         app.enqueue("send", {"to": value})
     assert "to" in str(info.value)  # the message names the argument
+
+
+def test_integer_too_long_for_json_is_refused(app: pgqueue.App) -> None:
+    with pytest.raises(InvalidJobError, match="not JSON-serialisable: Exceeds the limit"):
+        app.enqueue("send", {"to": 10**5000})
+
+
+def test_queue_name_with_a_lone_surrogate_is_refused(app: pgqueue.App) -> None:
+    with pytest.raises(InvalidJobError, match="queue name contains a lone surrogate"):
+        app.enqueue("send", {"to": "a"}, queue="q\ud800")
 
 
 def test_argument_names_must_be_identifiers(app: pgqueue.App) -> None:
@@ -293,3 +305,20 @@ _identifier = st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_]{0,20}\Z")
 def test_any_json_compatible_dict_round_trips(args: dict[str, Any]) -> None:
     text = serialize_args(args, DEFAULT_MAX_PAYLOAD)
     assert json.loads(text) == args
+
+
+@pytest.mark.parametrize("value", [1e16, -6.554488676156261e16, 1.5e300, [2e22, {"a": 1e17}]])
+def test_floats_of_1e16_and_more_are_written_with_a_decimal_point(value: object) -> None:
+    # jsonb would store '1e+16' as numeric 10000000000000000 and hand back an int
+    text = serialize_args({"v": value, "s": "e+ inside a string"}, DEFAULT_MAX_PAYLOAD)
+    assert "e+" not in text.replace("e+ inside", "")
+    assert json.loads(text) == {"v": value, "s": "e+ inside a string"}
+    assert all(isinstance(x, float) for x in _floats(json.loads(text)["v"]))
+
+
+def _floats(value: object) -> list[object]:
+    if isinstance(value, list):
+        return [f for item in value for f in _floats(item)]
+    if isinstance(value, dict):
+        return [f for item in value.values() for f in _floats(item)]
+    return [value]
