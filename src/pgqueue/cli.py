@@ -74,6 +74,14 @@ def load_app(spec: str) -> App:
 
 
 def make_app(dsn: str | None, schema: str, app_spec: str | None = None) -> App:
+    app = _resolve_app(dsn, schema, app_spec)
+    # The producer pool's threads must be stopped when the command ends, not left to the
+    # garbage collector (whose ConnectionPool.__del__ may run on a pool thread and fail).
+    click.get_current_context().call_on_close(app.close)
+    return app
+
+
+def _resolve_app(dsn: str | None, schema: str, app_spec: str | None) -> App:
     if app_spec:
         app = load_app(app_spec)
         if dsn:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from json.encoder import _make_iterencode  # type: ignore[attr-defined]
 from typing import Any
 
 import psycopg
@@ -74,7 +75,18 @@ def check_name(kind: str, value: object, limit: int) -> str:
         raise InvalidJobError(f"{kind} name is {len(value)} characters; the limit is {limit}")
     if "\x00" in value:
         raise InvalidJobError(f"{kind} name must not contain NUL (\\u0000)")
+    if not _is_utf8(value):
+        raise InvalidJobError(f"{kind} name contains a lone surrogate, which is not valid UTF-8")
     return value
+
+
+def _is_utf8(text: str) -> bool:
+    """False for strings holding lone surrogates (e.g. from a bad decode): not valid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_value(value: Any, path: str) -> None:
@@ -88,6 +100,8 @@ def _check_value(value: Any, path: str) -> None:
     if isinstance(value, str):
         if "\x00" in value:
             raise InvalidJobError(f"argument {path} contains NUL (\\u0000), which jsonb refuses")
+        if not _is_utf8(value):
+            raise InvalidJobError(f"argument {path} contains a lone surrogate (not valid UTF-8)")
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
@@ -95,6 +109,8 @@ def _check_value(value: Any, path: str) -> None:
                 raise InvalidJobError(f"argument {path} has a non-string key {key!r}")
             if "\x00" in key:
                 raise InvalidJobError(f"argument {path} has a key containing NUL (\\u0000)")
+            if not _is_utf8(key):
+                raise InvalidJobError(f"argument {path} has a key that is not valid UTF-8")
             _check_value(item, f"{path}.{key}")
         return
     if isinstance(value, list | tuple):
@@ -105,6 +121,23 @@ def _check_value(value: Any, path: str) -> None:
         f"argument {path} is a {type(value).__name__}, which is not JSON-serialisable "
         "(use str, int, float, bool, None, list or dict)"
     )
+
+
+def _float_text(value: float) -> str:
+    """Python writes floats of 1e16 and more in exponent form (``1e+16``); jsonb stores them as
+    numeric and gives back ``10000000000000000``, which JSON decoding turns into an int. Such
+    floats are always integral, so write them exactly with a decimal point instead."""
+    text = float.__repr__(value)
+    return f"{int(value)}.0" if "e+" in text else text
+
+
+def _exact_float_encoder(args: Mapping[str, Any]) -> Iterator[str]:
+    # The C encoder cannot take a float formatter; the stdlib's pure-Python one can.
+    iterencode = _make_iterencode(
+        {}, None, json.encoder.encode_basestring, None, _float_text, ":", ",", False, False, True
+    )
+    result: Iterator[str] = iterencode(args, 0)
+    return result
 
 
 def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
@@ -118,7 +151,12 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
         if not isinstance(key, str) or not key.isidentifier():
             raise InvalidJobError(f"argument name {key!r} is not a valid Python identifier")
         _check_value(value, key)
-    text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        if "e+" in text:  # rare: maybe a float >= 1e16, which jsonb would turn into an integer
+            text = "".join(_exact_float_encoder(args))
+    except ValueError as exc:  # e.g. an int beyond Python's int-to-str digit limit
+        raise InvalidJobError(f"arguments are not JSON-serialisable: {exc}") from None
     size = len(text.encode("utf-8"))
     if size > max_payload:
         raise InvalidJobError(

@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+
+import pgqueue
+from pgqueue.cli import main
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.delenv("PGQUEUE_DSN", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    return CliRunner()
+
+
+def run(runner: CliRunner, *args: str, env: dict[str, str] | None = None) -> Result:
+    return runner.invoke(main, list(args), env=env, catch_exceptions=False)
+
+
+def test_version_prints_the_package_version(runner: CliRunner) -> None:
+    result = run(runner, "--version")
+    assert result.exit_code == 0
+    assert result.output.strip() == f"pgqueue, version {version('pgqueue')}"
+    assert pgqueue.__version__ == version("pgqueue")
+
+
+def test_version_from_a_real_subprocess() -> None:
+    exe = Path(sys.executable).with_name("pgqueue")
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "pgqueue.cli"]
+    out = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert version("pgqueue") in out.stdout
+
+
+def test_migrate_then_up_to_date(runner: CliRunner, empty_dsn: str) -> None:
+    first = run(runner, "migrate", "--dsn", empty_dsn)
+    assert first.exit_code == 0 and first.output.strip() == "applied migrations: 0001"
+    second = run(runner, "migrate", "--dsn", empty_dsn)
+    assert second.exit_code == 0 and second.output.strip() == "schema is up to date"
+
+
+def test_enqueue_job_status_cancel_requeue(runner: CliRunner, dsn: str, conn: Conn) -> None:
+    result = run(
+        runner,
+        "enqueue",
+        "send_email",
+        "--args",
+        '{"to": "a@example.com", "n": 3}',
+        "--queue",
+        "emails",
+        "--delay",
+        "30",
+        "--priority",
+        "7",
+        "--dsn",
+        dsn,
+    )
+    assert result.exit_code == 0, result.output
+    job_id = int(result.output.strip())
+    row = conn.execute(
+        "SELECT task, queue, priority, args, extract(epoch FROM run_at - created_at)::float8"
+        " FROM pgqueue_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert row is not None
+    assert row[:4] == ("send_email", "emails", 7, {"to": "a@example.com", "n": 3})
+    assert row[4] == pytest.approx(30, abs=0.01)
+
+    shown = run(runner, "job", str(job_id), "--dsn", dsn)
+    assert shown.exit_code == 0
+    assert f"id: {job_id}" in shown.output and "status: queued" in shown.output
+    assert 'args: {"n": 3, "to": "a@example.com"}' in shown.output  # jsonb key order
+    as_json = json.loads(run(runner, "job", str(job_id), "--json", "--dsn", dsn).output)
+    assert as_json["task"] == "send_email" and as_json["priority"] == 7
+
+    status = run(runner, "status", "--dsn", dsn)
+    assert status.exit_code == 0
+    header, line = status.output.splitlines()
+    assert header.split() == [
+        "queue",
+        "queued",
+        "running",
+        "retrying",
+        "succeeded",
+        "dead",
+        "cancelled",
+    ]
+    assert line.split() == ["emails", "1", "0", "0", "0", "0", "0"]
+
+    refused = runner.invoke(main, ["requeue", str(job_id), "--dsn", dsn])
+    assert refused.exit_code == 1 and "is not dead or cancelled" in refused.output
+
+    cancelled = run(runner, "cancel", str(job_id), "--dsn", dsn)
+    assert cancelled.exit_code == 0 and cancelled.output.strip() == f"job {job_id} cancelled"
+    again = runner.invoke(main, ["cancel", str(job_id), "--dsn", dsn])
+    assert again.exit_code == 1 and "is not queued or retrying" in again.output
+
+    requeued = run(runner, "requeue", str(job_id), "--dsn", dsn)
+    assert requeued.exit_code == 0 and requeued.output.strip() == f"job {job_id} requeued"
+    assert conn.execute("SELECT status::text FROM pgqueue_jobs").fetchone() == ("queued",)
+
+
+def test_status_and_missing_job_on_an_empty_queue(runner: CliRunner, dsn: str) -> None:
+    assert run(runner, "status", "--dsn", dsn).output.strip() == "no jobs"
+    missing = runner.invoke(main, ["job", "999", "--dsn", dsn])
+    assert missing.exit_code == 1 and "job 999 does not exist" in missing.output
+
+
+def test_invalid_json_args_is_a_usage_error(runner: CliRunner, dsn: str, conn: Conn) -> None:
+    result = runner.invoke(main, ["enqueue", "t", "--args", "{not json", "--dsn", dsn])
+    assert result.exit_code == 2
+    assert "Invalid value for --args" in result.output and "not valid JSON" in result.output
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+
+
+def test_refused_job_is_one_error_line(runner: CliRunner, dsn: str) -> None:
+    result = runner.invoke(main, ["enqueue", "t", "--args", '{"x": NaN}', "--dsn", dsn])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("error: argument x is nan")
+    assert "Traceback" not in result.output
+
+
+def test_missing_tables_say_to_migrate(runner: CliRunner, empty_dsn: str) -> None:
+    result = runner.invoke(main, ["status", "--dsn", empty_dsn])
+    assert result.exit_code == 1
+    assert (
+        result.stderr.strip() == "error: pgqueue's tables are missing: run `pgqueue migrate` first"
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["migrate"],
+        ["status"],
+        ["job", "1"],
+        ["cancel", "1"],
+        ["requeue", "1"],
+        ["enqueue", "t", "--args", "{}"],
+    ],
+)
+def test_unreachable_database_is_one_line_and_exit_code_2(
+    runner: CliRunner, args: list[str]
+) -> None:
+    result = runner.invoke(main, [*args, "--dsn", UNREACHABLE])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: cannot connect to PostgreSQL at 127.0.0.1:1/x")
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_unreachable_database_in_a_real_subprocess() -> None:
+    exe = Path(sys.executable).with_name("pgqueue")
+    env = {k: v for k, v in os.environ.items() if k not in ("PGQUEUE_DSN", "DATABASE_URL")}
+    out = subprocess.run(
+        [str(exe), "status", "--dsn", UNREACHABLE],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ")
+
+
+def test_no_dsn_anywhere_is_a_clear_error(runner: CliRunner) -> None:
+    result = runner.invoke(main, ["status"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: no database configured")
+
+
+@pytest.mark.parametrize("variable", ["PGQUEUE_DSN", "DATABASE_URL"])
+def test_dsn_from_the_environment(runner: CliRunner, dsn: str, variable: str) -> None:
+    result = run(runner, "enqueue", "t", env={variable: dsn})
+    assert result.exit_code == 0, result.output
+    job_id = int(result.output)
+    assert run(runner, "job", str(job_id), env={variable: dsn}).exit_code == 0
+
+
+def test_pgqueue_dsn_wins_over_database_url(runner: CliRunner, dsn: str) -> None:
+    result = run(runner, "status", env={"PGQUEUE_DSN": dsn, "DATABASE_URL": UNREACHABLE})
+    assert result.exit_code == 0 and result.output.strip() == "no jobs"
+    flag = run(runner, "status", "--dsn", dsn, env={"PGQUEUE_DSN": UNREACHABLE})
+    assert flag.exit_code == 0
