@@ -83,7 +83,7 @@ async def test_exception_retries_with_backoff_then_dies_with_last_error(
     job_id = flaky.enqueue()
     async with running_worker(app, **FAST):
         await wait_until_async(status_is(conn, job_id, "dead"), timeout=15)
-    status, attempts, error, *_ = job_row(conn, job_id)
+    _status, attempts, error, *_ = job_row(conn, job_id)
     assert attempts == 3
     assert error.startswith("RuntimeError: remote said no")
     assert "Traceback" in error
@@ -113,7 +113,7 @@ async def test_retry_after_delays_exactly_and_counts_the_attempt(
     job_id = rate_limited.enqueue()
     async with running_worker(app, **FAST):
         await wait_until_async(status_is(conn, job_id, "retrying"))
-    status, attempts, error, *_, seconds_left = job_row(conn, job_id)
+    _status, attempts, error, *_, seconds_left = job_row(conn, job_id)
     assert attempts == 1
     assert 118 <= seconds_left <= 120
     assert "429 from upstream" in error
@@ -177,7 +177,7 @@ async def test_sync_timeout_abandons_the_thread_and_frees_the_lease(
     job_id = stuck.enqueue()
     async with running_worker(app, **FAST):
         await wait_until_async(status_is(conn, job_id, "retrying", "dead"), timeout=5)
-        _, attempts, error, _, token, worker, _ = job_row(conn, job_id)
+        _, _attempts, error, _, token, worker, _ = job_row(conn, job_id)
         assert token is None and worker is None
         assert "TaskTimeoutError" in error
 
