@@ -65,7 +65,9 @@ def pg_server(worker_id: str) -> Iterator[Server]:
         else:
             with _admin(dsn) as conn:
                 conn.execute(
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(template))
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                        sql.Identifier(template)
+                    )
                 )
 
 
@@ -83,7 +85,9 @@ def dsn(pg_server: Server) -> Iterator[str]:
         yield pg_server.dsn_for(name)
     finally:
         with _admin(pg_server.admin_dsn) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
 
 
 @pytest.fixture
@@ -96,7 +100,9 @@ def empty_dsn(pg_server: Server) -> Iterator[str]:
         yield pg_server.dsn_for(name)
     finally:
         with _admin(pg_server.admin_dsn) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
 
 
 @pytest.fixture
