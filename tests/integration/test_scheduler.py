@@ -317,3 +317,23 @@ def test_cli_unreachable_database_is_one_line(args: list[str]) -> None:
     result = CliRunner().invoke(schedules_command, args)
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1
+
+
+async def test_run_loop_survives_database_errors_and_still_stops(
+    empty_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No pgqueue tables at all: every round fails, is logged, and is retried with backoff."""
+    app = pgqueue.App(empty_dsn)
+    declare(app, ("x", "* * * * *"))
+    pool = await app._async_pool()
+    stop = asyncio.Event()
+    task = asyncio.create_task(Scheduler(app, interval=0.1).run(pool, stop))
+    try:
+        async with asyncio.timeout(10):
+            while "scheduler round failed" not in caplog.text:
+                await asyncio.sleep(0.05)
+        assert not task.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await app.aclose()

@@ -93,9 +93,9 @@ class Scheduler:
         """Fire every due schedule once (one transaction per batch); returns jobs enqueued."""
         total = 0
         while True:
-            inserted, locked = await self._fire_batch(conn)
+            inserted, advanced = await self._fire_batch(conn)
             total += inserted
-            if locked < BATCH:
+            if advanced < BATCH:  # a full batch may have left more due rows behind
                 return total
 
     async def _fire_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int]:
@@ -141,7 +141,7 @@ class Scheduler:
                     {"names": names, "next_run_ats": next_run_ats, "last_ticks": last_ticks},
                 )
         self.fired += inserted
-        return inserted, len(rows)
+        return inserted, len(names)
 
     async def seconds_until_due(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
         """Seconds until the earliest live schedule is due, by the database clock."""
