@@ -137,21 +137,52 @@ def test_skewed_clocks_and_an_outage_keep_one_job_per_tick_and_the_missed_policy
     assert_contiguous(found)
     last_before = found[-1]
 
-    # Outage: wait (by the database clock) until several ticks have passed with no worker.
+    # Outage: no worker while several ticks pass; then the "latest" policy on restart.
+    last_before = outage_then_restart(workers, conn, last_before, gap=4, missed="latest")
+    first_batch = fired_together(conn, last_before)
+    assert len(first_batch) == 1  # one job for the newest missed tick, none for older ones
+    assert first_batch[0] - last_before >= 4 * SECOND
+
+    # Then "all" with max_catchup=5 after an 8 s outage: the newest 5 missed ticks at once.
+    found = ticks(conn)
+    assert_contiguous([t for t in found if t >= first_batch[0]])
+    last_before = outage_then_restart(workers, conn, found[-1], gap=8, missed="all")
+    batch = fired_together(conn, last_before)
+    assert len(batch) == 5
+    assert_contiguous(batch)
+    assert batch[0] - last_before >= 3 * SECOND  # the older missed ticks were skipped
+
+
+def outage_then_restart(
+    workers: Workers, conn: Conn, last_before: datetime, *, gap: int, missed: str
+) -> datetime:
+    """Stop every worker, wait (by the database clock) for ``gap`` seconds of ticks to pass,
+    start one worker with the ``missed`` policy and wait for its first ticks."""
+    workers.stop_all()
+    last_before = max(last_before, ticks(conn)[-1])
     wait_for(
         lambda: (
-            conn.execute("SELECT now() > %s + interval '4 seconds'", (last_before,)).fetchone()
+            conn.execute(
+                "SELECT now() > %s + make_interval(secs => %s)", (last_before, gap)
+            ).fetchone()
             == (True,)
         ),
-        15,
-        "a 4 s gap",
+        gap + 10,
+        f"a {gap} s outage",
     )
-    restart = conn.execute("SELECT now()").fetchone()
-    assert restart is not None
-    workers.start(missed="latest")
-    wait_for(lambda: len(ticks(conn)) >= len(found) + 3, 30, "ticks after the restart")
-    after = [t for t in ticks(conn) if t > last_before]
-    # "latest": one job for the newest missed tick, none for the older ones in the gap.
-    first = after[0]
-    assert first - last_before >= 4 * SECOND
-    assert first >= restart[0] - SECOND
+    count = len(ticks(conn))
+    workers.start(missed=missed)
+    wait_for(lambda: len(ticks(conn)) >= count + 1, 30, "ticks after the restart")
+    return last_before
+
+
+def fired_together(conn: Conn, after: datetime) -> list[datetime]:
+    """The ticks of the first firing transaction after ``after`` (they share created_at)."""
+    rows = conn.execute(
+        "SELECT schedule_tick FROM pgqueue_jobs WHERE schedule_name = 'every-second' "
+        "AND created_at = (SELECT min(created_at) FROM pgqueue_jobs "
+        "                  WHERE schedule_name = 'every-second' AND schedule_tick > %s) "
+        "ORDER BY schedule_tick",
+        (after,),
+    ).fetchall()
+    return [tick for (tick,) in rows]
