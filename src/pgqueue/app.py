@@ -16,6 +16,7 @@ from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
 from .jobs import Job
 from .migrate import migrate as apply_migrations
+from .schedules import DEFAULT_MAX_CATCHUP, Schedule, declare
 from .sql import Queries, queries
 from .tasks import Task, TaskOptions
 
@@ -56,7 +57,7 @@ class App:
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._pool_lock = threading.Lock()
         self._async_pools: dict[int, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
-        self.periodic_schedules: list[Any] = []
+        self.periodic_schedules: dict[str, Schedule] = {}
 
     # --- configuration --------------------------------------------------------------------
 
@@ -124,6 +125,58 @@ class App:
             return task
 
         return register(func) if func is not None else register
+
+    # --- periodic schedules ---------------------------------------------------------------
+
+    def periodic(
+        self,
+        *,
+        cron: str,
+        name: str | None = None,
+        queue: str | None = None,
+        args: Mapping[str, Any] | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        missed: str = "latest",
+        max_catchup: int = DEFAULT_MAX_CATCHUP,
+    ) -> Callable[[Task[P, R]], Task[P, R]]:
+        """Enqueue the task on a cron schedule (UTC). Goes above ``@app.task``; the schedule
+        name defaults to the task name. See docs/schedules.md for ``missed``."""
+
+        def register(task: Task[P, R]) -> Task[P, R]:
+            if not isinstance(task, Task) or self.tasks.get(task.name) is not task:
+                raise ConfigurationError(
+                    "@app.periodic must be applied on top of @app.task of the same app"
+                )
+            declare(self, task, cron=cron, name=name, queue=queue, args=args, priority=priority,
+                    max_attempts=max_attempts, missed=missed, max_catchup=max_catchup)  # fmt: skip
+            return task
+
+        return register
+
+    def schedule(
+        self,
+        name: str,
+        cron: str,
+        *,
+        task: str,
+        queue: str | None = None,
+        args: Mapping[str, Any] | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        missed: str = "latest",
+        max_catchup: int = DEFAULT_MAX_CATCHUP,
+    ) -> Schedule:
+        """Declare a cron schedule (UTC) for a registered task, given by name."""
+        registered = self.tasks.get(task) if isinstance(task, str) else None
+        if registered is None:
+            known = ", ".join(sorted(self.tasks)) or "none"
+            raise ConfigurationError(
+                f"schedule {name!r}: unknown task {task!r} (registered: {known})"
+            )
+        return declare(self, registered, cron=cron, name=name, queue=queue, args=args,
+                       priority=priority, max_attempts=max_attempts, missed=missed,
+                       max_catchup=max_catchup)  # fmt: skip
 
     # --- pools ----------------------------------------------------------------------------
 

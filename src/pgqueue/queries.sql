@@ -178,3 +178,110 @@ WHERE id IN (
       AND finished_at < now() - make_interval(secs => %(older_than)s)
     LIMIT 10000
 )
+
+-- ---------------------------------------------------------------------------------------------
+-- schedules
+-- ---------------------------------------------------------------------------------------------
+
+-- name: lock_schedule_sync
+-- Workers starting together sync one after another, so the last declaration set wins whole.
+SELECT pg_advisory_xact_lock(hashtextextended('pgqueue.schedules:' || %(schema)s, 0))
+
+-- name: upsert_schedules
+-- Declared schedules by name. next_run_at (computed from the database clock) is only taken for
+-- new rows, a changed cron, or a schedule declared again after being disabled; otherwise the
+-- stored tick stands, so a restart never skips or repeats one. paused is never touched, and
+-- rows that already match are left alone (no new row version, updated_at stays).
+INSERT INTO {schema}.pgqueue_schedules AS s
+    (name, cron, task, queue, args, priority, max_attempts, next_run_at, missed, max_catchup)
+SELECT d.name, d.cron, d.task, d.queue, d.args::jsonb, d.priority, d.max_attempts,
+       d.next_run_at, d.missed, d.max_catchup
+FROM unnest(%(names)s::text[], %(crons)s::text[], %(tasks)s::text[], %(queues)s::text[],
+            %(args)s::text[], %(priorities)s::int[], %(max_attempts)s::int[],
+            %(next_run_ats)s::timestamptz[], %(misseds)s::text[], %(max_catchups)s::int[])
+     AS d(name, cron, task, queue, args, priority, max_attempts, next_run_at, missed, max_catchup)
+ORDER BY d.name
+ON CONFLICT (name) DO UPDATE
+SET cron = EXCLUDED.cron, task = EXCLUDED.task, queue = EXCLUDED.queue, args = EXCLUDED.args,
+    priority = EXCLUDED.priority, max_attempts = EXCLUDED.max_attempts,
+    missed = EXCLUDED.missed, max_catchup = EXCLUDED.max_catchup, enabled = true,
+    next_run_at = CASE WHEN s.cron <> EXCLUDED.cron OR NOT s.enabled
+                       THEN EXCLUDED.next_run_at ELSE s.next_run_at END,
+    updated_at = now()
+WHERE (s.cron, s.task, s.queue, s.args, s.priority, s.max_attempts, s.missed, s.max_catchup,
+       s.enabled)
+      IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.task, EXCLUDED.queue, EXCLUDED.args,
+                        EXCLUDED.priority, EXCLUDED.max_attempts, EXCLUDED.missed,
+                        EXCLUDED.max_catchup, true)
+
+-- name: disable_undeclared_schedules
+-- Schedules no longer in the code stop firing; the row (and its history) stays for operators.
+UPDATE {schema}.pgqueue_schedules
+SET enabled = false, updated_at = now()
+WHERE enabled AND name <> ALL(%(names)s::text[])
+RETURNING name
+
+-- name: lock_due_schedules
+-- The firing transaction's first step. pgqueue_schedules_due_idx finds due rows; SKIP LOCKED
+-- lets every worker's scheduler run at once: a schedule another worker is firing is skipped,
+-- and once that commits its next_run_at is in the future, so the row no longer matches (READ
+-- COMMITTED re-checks the WHERE on the newest row version). "Due" is the database clock.
+SELECT name, cron, next_run_at, missed, max_catchup, now()
+FROM {schema}.pgqueue_schedules
+WHERE enabled AND NOT paused AND next_run_at <= now()
+ORDER BY next_run_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: insert_schedule_jobs
+-- Ordinary jobs (retries, dead letters, NOTIFY), tagged with their schedule and tick. The
+-- unique index on (schedule_name, schedule_tick) makes a second job for a tick impossible even
+-- if two transactions raced past the row lock; the loser inserts nothing.
+INSERT INTO {schema}.pgqueue_jobs
+    (queue, task, args, priority, max_attempts, run_at, schedule_name, schedule_tick)
+SELECT s.queue, s.task, s.args, s.priority, s.max_attempts, t.tick, s.name, t.tick
+FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[]) WITH ORDINALITY AS t(name, tick, ord)
+JOIN {schema}.pgqueue_schedules s ON s.name = t.name
+ORDER BY t.ord
+ON CONFLICT (schedule_name, schedule_tick) WHERE schedule_name IS NOT NULL DO NOTHING
+RETURNING id, schedule_name, schedule_tick
+
+-- name: advance_schedules
+-- Same transaction as the insert: move each fired schedule to its next future tick, and record
+-- the newest fired tick and its job (found through the unique index, whoever inserted it).
+UPDATE {schema}.pgqueue_schedules s
+SET next_run_at = a.next_run_at, last_run_at = a.last_tick,
+    last_job_id = COALESCE(j.id, s.last_job_id)
+FROM unnest(%(names)s::text[], %(next_run_ats)s::timestamptz[], %(last_ticks)s::timestamptz[])
+     AS a(name, next_run_at, last_tick)
+LEFT JOIN {schema}.pgqueue_jobs j
+       ON j.schedule_name = a.name AND j.schedule_tick = a.last_tick
+WHERE s.name = a.name
+
+-- name: seconds_until_next_schedule
+-- How long the scheduler may sleep, measured on the database clock (NULL: nothing scheduled).
+SELECT extract(epoch FROM min(next_run_at) - now())::float8
+FROM {schema}.pgqueue_schedules
+WHERE enabled AND NOT paused
+
+-- name: list_schedules
+SELECT name, cron, task, queue, next_run_at, last_run_at, last_job_id, enabled, paused, missed,
+       max_catchup
+FROM {schema}.pgqueue_schedules
+ORDER BY name
+
+-- name: pause_schedule
+UPDATE {schema}.pgqueue_schedules SET paused = true, updated_at = now()
+WHERE name = %(name)s
+RETURNING name
+
+-- name: lock_schedule
+-- Resume reads the cron and the database clock under the row lock, then sets next_run_at.
+SELECT cron, paused, now() FROM {schema}.pgqueue_schedules WHERE name = %(name)s FOR UPDATE
+
+-- name: resume_schedule
+-- Ticks that fell inside the pause are skipped on purpose: the schedule continues from the
+-- next future tick instead of treating the pause as an outage to catch up on.
+UPDATE {schema}.pgqueue_schedules
+SET paused = false, next_run_at = %(next_run_at)s, updated_at = now()
+WHERE name = %(name)s

@@ -52,6 +52,18 @@ class Queries:
     reap_expired_leases: bytes
     prune_workers: bytes
     prune_finished_jobs: bytes
+    # schedules
+    lock_schedule_sync: bytes
+    upsert_schedules: bytes
+    disable_undeclared_schedules: bytes
+    lock_due_schedules: bytes
+    insert_schedule_jobs: bytes
+    advance_schedules: bytes
+    seconds_until_next_schedule: bytes
+    list_schedules: bytes
+    pause_schedule: bytes
+    lock_schedule: bytes
+    resume_schedule: bytes
 
 
 @cache

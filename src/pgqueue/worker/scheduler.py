@@ -1,0 +1,184 @@
+"""The periodic scheduler: turns due cron ticks into ordinary jobs.
+
+Every worker runs one; there is no leader to elect or lose. Exactly one job per (schedule, tick)
+rests on three things, each enough to stop a particular race:
+
+- a due schedule is taken with ``FOR UPDATE SKIP LOCKED``, and its job insert and the advance of
+  ``next_run_at`` commit together, so no two schedulers fire the same row at once and a fired
+  tick is never due again;
+- the unique index on ``(schedule_name, schedule_tick)`` refuses a second job for a tick even if
+  two transactions did race (the insert is ``ON CONFLICT DO NOTHING``);
+- ticks are computed from the stored scheduled time and "due" is ``next_run_at <= now()`` on the
+  database clock, so workers whose clocks disagree still agree on every tick.
+
+The local clock is never consulted: even the sleep length is measured by the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from ..schedules import MissedPolicy, due_ticks, next_tick
+from .state import pause
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("pgqueue.worker.scheduler")
+
+BATCH = 100  # schedules fired per transaction; a full batch loops again at once
+_EPSILON = 0.002  # wake just after the tick so that now() has passed it
+_BACKOFF_FIRST = 0.5
+_BACKOFF_CAP = 30.0
+
+
+class Scheduler:
+    """Syncs the app's declared schedules and fires due ticks; see the module docstring."""
+
+    def __init__(self, app: App, *, interval: float = 1.0) -> None:
+        if not interval > 0:
+            raise ValueError("interval must be a positive number of seconds")
+        self.app = app
+        self.q = app.q
+        self.interval = float(interval)
+        self.synced = False
+        self.fired = 0  # jobs enqueued by this scheduler, for tests and stats
+        self._unreadable: set[str] = set()
+
+    async def sync(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Upsert the declared schedules by name and disable the rows no longer declared.
+
+        New rows, a changed cron, or a schedule declared again after being disabled get a
+        ``next_run_at`` computed from the database clock; otherwise the stored one stands.
+        ``paused`` is the operator's and is never changed here.
+        """
+        declared = sorted(self.app.periodic_schedules.values(), key=lambda s: s.name)
+        async with conn.transaction():
+            await conn.execute(self.q.lock_schedule_sync, {"schema": self.app.schema})
+            cur = await conn.execute(self.q.database_now)
+            row = await cur.fetchone()
+            assert row is not None
+            db_now: datetime = row[0]
+            if declared:
+                await conn.execute(
+                    self.q.upsert_schedules,
+                    {
+                        "names": [s.name for s in declared],
+                        "crons": [s.cron for s in declared],
+                        "tasks": [s.task for s in declared],
+                        "queues": [s.queue for s in declared],
+                        "args": [s.args_json for s in declared],
+                        "priorities": [s.priority for s in declared],
+                        "max_attempts": [s.max_attempts for s in declared],
+                        "next_run_ats": [next_tick(s.cron, db_now) for s in declared],
+                        "misseds": [s.missed for s in declared],
+                        "max_catchups": [s.max_catchup for s in declared],
+                    },
+                )
+            cur = await conn.execute(
+                self.q.disable_undeclared_schedules, {"names": [s.name for s in declared]}
+            )
+            disabled = [str(r[0]) for r in await cur.fetchall()]
+        if disabled:
+            log.info("schedules no longer declared, now disabled: %s", ", ".join(disabled))
+        self.synced = True
+
+    async def tick(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        """Fire every due schedule once (one transaction per batch); returns jobs enqueued."""
+        total = 0
+        while True:
+            inserted, advanced = await self._fire_batch(conn)
+            total += inserted
+            if advanced < BATCH:  # a full batch may have left more due rows behind
+                return total
+
+    async def _fire_batch(self, conn: psycopg.AsyncConnection[Any]) -> tuple[int, int]:
+        async with conn.transaction():
+            cur = await conn.execute(self.q.lock_due_schedules, {"limit": BATCH})
+            rows = await cur.fetchall()
+            if not rows:
+                return 0, 0
+            job_names: list[str] = []
+            job_ticks: list[datetime] = []
+            names: list[str] = []
+            next_run_ats: list[datetime] = []
+            last_ticks: list[datetime] = []
+            for name, cron, next_run_at, missed, max_catchup, db_now in rows:
+                policy: MissedPolicy = "all" if missed == "all" else "latest"
+                try:
+                    ticks, following = due_ticks(cron, next_run_at, db_now, policy, max_catchup)
+                except Exception as exc:  # a cron this library cannot read: leave the row be
+                    if name not in self._unreadable:
+                        log.error("schedule %r: cannot compute its ticks (%s); skipped", name, exc)
+                    self._unreadable.add(name)
+                    continue
+                self._unreadable.discard(name)
+                skipped_from = ticks[0] if ticks else None
+                if skipped_from is not None and skipped_from > next_run_at:
+                    log.warning(
+                        "schedule %r: ticks from %s to before %s were missed (policy %s)",
+                        name, next_run_at.isoformat(), skipped_from.isoformat(), policy,
+                    )  # fmt: skip
+                job_names.extend([name] * len(ticks))
+                job_ticks.extend(ticks)
+                names.append(name)
+                next_run_ats.append(following)
+                last_ticks.append(ticks[-1])
+            inserted = 0
+            if job_names:
+                cur = await conn.execute(
+                    self.q.insert_schedule_jobs, {"names": job_names, "ticks": job_ticks}
+                )
+                inserted = len(await cur.fetchall())
+                await conn.execute(
+                    self.q.advance_schedules,
+                    {"names": names, "next_run_ats": next_run_ats, "last_ticks": last_ticks},
+                )
+        self.fired += inserted
+        return inserted, len(names)
+
+    async def seconds_until_due(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
+        """Seconds until the earliest live schedule is due, by the database clock."""
+        cur = await conn.execute(self.q.seconds_until_next_schedule)
+        row = await cur.fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    async def run(
+        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]], stop: asyncio.Event
+    ) -> None:
+        """Tick, then sleep until the earliest ``next_run_at`` (at most ``interval``) or until
+        ``stop``. Syncs first unless ``sync`` already ran. Database errors are logged and retried
+        with a capped exponential backoff: a scheduler never takes its worker down."""
+        backoff = _BACKOFF_FIRST
+        while not stop.is_set():
+            try:
+                async with pool.connection() as conn:
+                    if not self.synced:
+                        await self.sync(conn)
+                    fired = await self.tick(conn)
+                    wait = await self.seconds_until_due(conn)
+            except (psycopg.Error, OSError) as exc:
+                log.warning("scheduler round failed (%s); retrying in %.1fs", exc, backoff)
+                await pause(stop, backoff)
+                backoff = min(backoff * 2, _BACKOFF_CAP)
+                continue
+            backoff = _BACKOFF_FIRST
+            if wait is None:
+                delay = self.interval
+            elif wait > 0:
+                delay = min(wait + _EPSILON, self.interval)
+            elif fired:
+                delay = 0.0  # more became due while we fired
+            elif self._unreadable:
+                delay = self.interval  # an unfireable row stays due: don't spin on it
+            else:
+                # Due but not ours: another scheduler holds it and is about to commit.
+                delay = min(0.05, self.interval)
+            if delay > 0:
+                await pause(stop, delay)
