@@ -17,6 +17,7 @@ import psycopg
 from . import __version__
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -260,6 +261,8 @@ def worker(
         listen=not no_listen,
     )
 
+
+main.add_command(schedules_command, "schedules")
 
 if __name__ == "__main__":
     main()

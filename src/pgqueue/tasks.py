@@ -46,7 +46,9 @@ class TaskOptions:
 
 
 class Task(Generic[P, R]):
-    """A registered handler. Call it directly to run it in-process; ``enqueue`` to queue it."""
+    """A registered handler. ``enqueue`` takes the handler's keyword arguments (checked against
+    its signature at enqueue time, minus any ``JobContext`` parameter, which the worker fills).
+    Calling the task runs the handler in-process."""
 
     def __init__(
         self,
@@ -111,10 +113,10 @@ class Task(Generic[P, R]):
         }
         return ConfiguredTask(self, replace(self.options, **changes))
 
-    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
+    def enqueue(self, *args: Any, **kwargs: Any) -> int:
         return ConfiguredTask(self, self.options).enqueue(*args, **kwargs)
 
-    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+    async def enqueue_async(self, *args: Any, **kwargs: Any) -> int:
         return await ConfiguredTask(self, self.options).enqueue_async(*args, **kwargs)
 
 
@@ -129,7 +131,7 @@ class ConfiguredTask(Generic[P]):
         self.task.check_args(kwargs)
         return kwargs
 
-    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> int:
+    def enqueue(self, *args: Any, **kwargs: Any) -> int:
         o = self.options
         conn = o.connection
         if conn is not None and not isinstance(conn, psycopg.Connection):
@@ -145,7 +147,7 @@ class ConfiguredTask(Generic[P]):
             connection=conn,
         )
 
-    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> int:
+    async def enqueue_async(self, *args: Any, **kwargs: Any) -> int:
         o = self.options
         conn = o.connection
         if conn is not None and not isinstance(conn, psycopg.AsyncConnection):

@@ -235,7 +235,7 @@ async def test_worker_only_claims_its_queues_and_never_more_than_its_slots(
     other = app.enqueue("held", {}, queue="theirs")
     async with running_worker(app, queues=["mine"], concurrency=4, **FAST):
         await wait_until_async(lambda: running_now == 4)
-        counts = dict(
+        counts: dict[str, int] = dict(
             conn.execute(
                 "SELECT status::text, count(*) FROM pgqueue_jobs WHERE queue = 'mine' GROUP BY 1"
             ).fetchall()

@@ -28,6 +28,7 @@ from .fetcher import Fetcher
 from .heartbeat import Heartbeat
 from .notifier import KEEPALIVES, Notifier
 from .reaper import Reaper
+from .scheduler import Scheduler
 from .state import ClaimedJob, Held, Phase, WorkerState
 
 if TYPE_CHECKING:
@@ -171,6 +172,7 @@ class Worker:
             self.fetcher.notify,
             f"{name}:listen",
         )
+        self.scheduler = Scheduler(self.app, interval=min(self.poll_interval, 1.0))
         services_stop = asyncio.Event()
         await self._register(pool)
         self._install_signals()
@@ -178,6 +180,7 @@ class Worker:
             asyncio.create_task(self.heartbeat.run(services_stop), name="heartbeat"),
             asyncio.create_task(self.reaper.run(services_stop), name="reaper"),
             asyncio.create_task(self.completer.run(services_stop), name="completer"),
+            asyncio.create_task(self.scheduler.run(pool, services_stop), name="scheduler"),
         ]
         if self.listen:
             services.append(asyncio.create_task(self.notifier.run(services_stop), name="notifier"))
