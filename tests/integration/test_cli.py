@@ -47,7 +47,7 @@ def test_version_from_a_real_subprocess() -> None:
 
 def test_migrate_then_up_to_date(runner: CliRunner, empty_dsn: str) -> None:
     first = run(runner, "migrate", "--dsn", empty_dsn)
-    assert first.exit_code == 0 and first.output.strip() == "applied migrations: 0001"
+    assert first.exit_code == 0 and first.output.strip() == "applied migrations: 0001, 0002"
     second = run(runner, "migrate", "--dsn", empty_dsn)
     assert second.exit_code == 0 and second.output.strip() == "schema is up to date"
 

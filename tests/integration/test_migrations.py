@@ -14,6 +14,8 @@ from pgqueue.sql import queries
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
+ALL_VERSIONS = [m.version for m in available()]
+
 
 def _tables(conn: Conn, schema: str) -> set[str]:
     rows = conn.execute(
@@ -22,22 +24,26 @@ def _tables(conn: Conn, schema: str) -> set[str]:
     return {str(r[0]) for r in rows}
 
 
-def test_migrate_applies_0001_on_an_empty_database_and_records_it(empty_dsn: str) -> None:
+def test_migrate_applies_every_migration_on_an_empty_database_and_records_it(
+    empty_dsn: str,
+) -> None:
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         assert applied_versions(conn) == []
-        assert migrate(conn) == [1]
+        assert migrate(conn) == ALL_VERSIONS
         assert {"pgqueue_jobs", "pgqueue_workers", "pgqueue_migrations"} <= _tables(conn, "public")
-        rows = conn.execute("SELECT version, name FROM pgqueue_migrations").fetchall()
-        assert rows == [(1, "initial")]
+        rows = conn.execute("SELECT version, name FROM pgqueue_migrations ORDER BY 1").fetchall()
+        assert rows == [(m.version, m.name) for m in available()]
         assert applied_versions(conn) == [m.version for m in available()]
 
 
 def test_migrate_is_idempotent(empty_dsn: str) -> None:
     app = pgqueue.App(empty_dsn)
-    assert app.migrate() == [1]
+    assert app.migrate() == ALL_VERSIONS
     assert app.migrate() == []
     with psycopg.connect(empty_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM pgqueue_migrations").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM pgqueue_migrations").fetchone() == (
+            len(ALL_VERSIONS),
+        )
 
 
 def test_concurrent_migrations_apply_exactly_once(empty_dsn: str) -> None:
@@ -63,15 +69,17 @@ def test_concurrent_migrations_apply_exactly_once(empty_dsn: str) -> None:
     for t in threads:
         t.join(timeout=30)
     assert errors == []
-    assert sorted(results) == [[], [], [], [1]]
+    assert sorted(results) == [[], [], [], ALL_VERSIONS]
     with psycopg.connect(empty_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM pgqueue_migrations").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM pgqueue_migrations").fetchone() == (
+            len(ALL_VERSIONS),
+        )
 
 
 def test_custom_schema_gets_its_own_tables_and_works_end_to_end(empty_dsn: str) -> None:
     app = pgqueue.App(empty_dsn, schema="jobs_x")
     try:
-        assert app.migrate() == [1]
+        assert app.migrate() == ALL_VERSIONS
 
         @app.task(queue="q1")
         def hello(name: str) -> None: ...
