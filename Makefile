@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -30,7 +30,7 @@ test: check
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/pgqueue demo
+	$(BIN)/python examples/demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
