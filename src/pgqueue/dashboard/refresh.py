@@ -67,7 +67,6 @@ class Refresher:
         self._observed: deque[tuple[int, dict[str, int]]] = deque(maxlen=figures.WINDOW + 5)
         self._inserts: tuple[float, int] | None = None
         self._insert_rate: float | None = None
-        self._metrics_read_at = 0.0
         #: False while the database is unreachable (the last snapshot is then stale).
         self.healthy = False
 
@@ -88,11 +87,10 @@ class Refresher:
     async def refresh_once(self) -> dict[str, Any]:
         async with self.database.session() as conn:
             reading = await queries.read(conn, self.schema, late_after=self.late_after)
-            if time.monotonic() - self._metrics_read_at >= 5.0:
-                until, rows = await queries.finished_since(conn, self.schema, self.totals.watermark)
-                self.totals.add(rows)
-                self.totals.watermark = until
-                self._metrics_read_at = time.monotonic()
+            # Cheap: after the first read it covers only the seconds settled since the last.
+            until, rows = await queries.finished_since(conn, self.schema, self.totals.watermark)
+            self.totals.add(rows)
+            self.totals.watermark = until
         self.refreshes += 1
         self.healthy = True
         snapshot = self._build(reading)
