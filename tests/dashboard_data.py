@@ -71,6 +71,7 @@ def plant(conn: psycopg.Connection[Any], *, xss: bool = False) -> None:
         " SELECT 'emails', 'send_email', 'succeeded', 1, now() - interval '2 seconds',"
         " now() - interval '1 second' FROM generate_series(1, 3)"
     )
+    # Depth samples stop 3 s ago, so they are history and never the "current" sample.
     # 60 seconds of stats: 10 succeeded + 1 retried per second; one dead 5 s ago.
     pickup = {str(stats.bin_of(0.004)): 10}
     run = {str(stats.bin_of(0.25)): 10}
@@ -84,7 +85,7 @@ def plant(conn: psycopg.Connection[Any], *, xss: bool = False) -> None:
     conn.execute(
         "INSERT INTO pgqueue_depth (bucket, queue, queued, retrying, running)"
         " SELECT date_trunc('second', now()) - make_interval(secs => g), 'emails', 20 + g % 7,"
-        " 1, 2 FROM generate_series(1, 90) g"
+        " 1, 2 FROM generate_series(3, 92) g"
     )
     conn.execute(SCHEDULES_DDL)
     conn.execute(

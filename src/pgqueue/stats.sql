@@ -13,16 +13,24 @@ FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, succeeded int, retried
 
 -- name: sample_depth
 -- At most one sample per second across all workers: the NOT EXISTS probe (primary key) skips the
--- count when another worker was first, ON CONFLICT settles the race between two at once. The
--- count reads only the ready and running partial indexes' rows.
+-- count when another worker was first, ON CONFLICT settles the race between two at once. Each
+-- count reads one partial index: waiting jobs index-only from the ready index (grouped by its
+-- leading queue column), retrying and running ones from their small indexes; finished rows and
+-- a status-by-status heap scan are never touched.
 INSERT INTO {schema}.pgqueue_depth (bucket, queue, queued, retrying, running)
-SELECT date_trunc('second', now()), queue,
-       count(*) FILTER (WHERE status = 'queued'),
-       count(*) FILTER (WHERE status = 'retrying'),
-       count(*) FILTER (WHERE status = 'running')
-FROM {schema}.pgqueue_jobs
-WHERE status IN ('queued', 'retrying', 'running')
-  AND NOT EXISTS (SELECT 1 FROM {schema}.pgqueue_depth
+SELECT date_trunc('second', now()), queue, (sum(waiting) - sum(retrying))::int AS queued, sum(retrying)::int AS retrying,
+       sum(running)::int AS running
+FROM (
+    SELECT queue, count(*) AS waiting, 0 AS retrying, 0 AS running
+    FROM {schema}.pgqueue_jobs WHERE status IN ('queued', 'retrying') GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, count(*), 0
+    FROM {schema}.pgqueue_jobs WHERE status = 'retrying' GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, 0, count(*)
+    FROM {schema}.pgqueue_jobs WHERE status = 'running' GROUP BY queue
+) counts
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.pgqueue_depth
                   WHERE bucket = date_trunc('second', now()))
 GROUP BY queue
 ON CONFLICT DO NOTHING

@@ -115,3 +115,15 @@ def test_job_detail_has_the_full_error(dsn: str, conn: psycopg.Connection[Any]) 
     detail = asyncio.run(go())
     assert detail is not None and detail["last_error"].endswith("END-OF-TRACEBACK")
     assert detail["status"] == "dead"
+
+
+def test_current_depth_comes_from_a_fresh_worker_sample_else_from_a_count(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    conn.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('a', 't'), ('a', 't')")
+    assert _read(dsn).depth == {"a": {"queued": 2, "retrying": 0, "running": 0}}
+    conn.execute(
+        "INSERT INTO pgqueue_depth (bucket, queue, queued, retrying, running)"
+        " VALUES (date_trunc('second', now()), 'a', 40, 1, 3)"
+    )
+    assert _read(dsn).depth == {"a": {"queued": 40, "retrying": 1, "running": 3}}

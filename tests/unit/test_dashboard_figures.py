@@ -53,8 +53,8 @@ def test_depth_prefers_worker_samples_and_fills_gaps_from_observations() -> None
     assert figures.depth_series([], {}, end)["queues"] == {}
 
 
-def test_depth_counts_group_statuses_per_queue() -> None:
-    rows = [("a", "queued", 3), ("a", "running", 1), ("b", "retrying", 2)]
+def test_depth_counts_key_statuses_by_queue() -> None:
+    rows = [("a", 3, 0, 1), ("b", 0, 2, 0)]
     assert figures.depth_counts(rows) == {
         "a": {"queued": 3, "retrying": 0, "running": 1},
         "b": {"queued": 0, "retrying": 2, "running": 0},

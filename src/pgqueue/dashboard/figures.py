@@ -60,13 +60,11 @@ def latency(hists: Mapping[str, Mapping[int, int]]) -> dict[str, float | None]:
 
 
 def depth_counts(rows: Iterable[Sequence[Any]]) -> dict[str, dict[str, int]]:
-    """{queue: {queued, retrying, running}} from (queue, status, count) rows."""
-    out: dict[str, dict[str, int]] = {}
-    for queue, status, count in rows:
-        out.setdefault(str(queue), {"queued": 0, "retrying": 0, "running": 0})[str(status)] = int(
-            count
-        )
-    return out
+    """{queue: {queued, retrying, running}} from (queue, queued, retrying, running) rows."""
+    return {
+        str(queue): {"queued": int(queued), "retrying": int(retrying), "running": int(running)}
+        for queue, queued, retrying, running in rows
+    }
 
 
 def depth_series(

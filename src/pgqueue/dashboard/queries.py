@@ -55,7 +55,8 @@ async def read(
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         clock = (await _all(conn, q["clock"]))[0]
         now, second = float(clock[0]), int(clock[1])
-        depth = figures.depth_counts(await _all(conn, q["depth_now"]))
+        depth_rows = await _all(conn, q["depth_sampled"]) or await _all(conn, q["depth_count"])
+        depth = figures.depth_counts(depth_rows)
         tput = figures.throughput(await _all(conn, q["throughput"]), second)
         latency = figures.latency(figures.histograms(await _all(conn, q["latency_histograms"])))
         samples = await _all(conn, q["depth_history"])

@@ -8,14 +8,32 @@
 SELECT extract(epoch FROM now())::float8,
        extract(epoch FROM date_trunc('second', now()))::bigint
 
--- name: depth_now
--- Current depth by queue and status. The status filter confines the scan to the ready and running
--- partial indexes (bitmap OR); finished rows are never visited.
-SELECT queue, status::text, count(*)::bigint
-FROM {schema}.pgqueue_jobs
-WHERE status IN ('queued', 'retrying', 'running')
-GROUP BY queue, status
-ORDER BY queue, status
+-- name: depth_sampled
+-- Current depth from the workers' shared sample when one is at most two seconds old: with
+-- workers running, nobody counts the queue twice in a second.
+SELECT queue, queued, retrying, running
+FROM {schema}.pgqueue_depth
+WHERE bucket = (SELECT max(bucket) FROM {schema}.pgqueue_depth
+                WHERE bucket >= date_trunc('second', now()) - interval '2 seconds')
+ORDER BY queue
+
+-- name: depth_count
+-- No fresh sample (no worker running): count, one partial index per figure (waiting jobs
+-- index-only from the ready index, retrying and running from their small indexes).
+SELECT queue, (sum(waiting) - sum(retrying))::int AS queued, sum(retrying)::int AS retrying,
+       sum(running)::int AS running
+FROM (
+    SELECT queue, count(*) AS waiting, 0 AS retrying, 0 AS running
+    FROM {schema}.pgqueue_jobs WHERE status IN ('queued', 'retrying') GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, count(*), 0
+    FROM {schema}.pgqueue_jobs WHERE status = 'retrying' GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, 0, count(*)
+    FROM {schema}.pgqueue_jobs WHERE status = 'running' GROUP BY queue
+) counts
+GROUP BY queue
+ORDER BY queue
 
 -- name: throughput
 -- Finished attempts per second for the last two minutes (bucket index range scan).
