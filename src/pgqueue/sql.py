@@ -27,10 +27,15 @@ def render(text: str, schema: str) -> bytes:
     return composed.as_string().encode()
 
 
-def _sections() -> dict[str, str]:
-    text = resources.files("pgqueue").joinpath("queries.sql").read_text("utf-8")
+def load_sections(package: str = "pgqueue", filename: str = "queries.sql") -> dict[str, str]:
+    """The ``-- name:`` sections of a packaged SQL file (the dashboard keeps its own file)."""
+    text = resources.files(package).joinpath(filename).read_text("utf-8")
     parts = _SECTION.split(text)
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def _sections() -> dict[str, str]:
+    return load_sections()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,3 +78,9 @@ def queries(schema: str) -> Queries:
     if set(sections) != names:
         raise RuntimeError(f"queries.sql and Queries disagree: {sorted(set(sections) ^ names)}")
     return Queries(**{name: render(body, schema) for name, body in sections.items()})
+
+
+@cache
+def named(package: str, filename: str, schema: str) -> dict[str, bytes]:
+    """Every section of a packaged SQL file, rendered for one schema (loaded once)."""
+    return {name: render(body, schema) for name, body in load_sections(package, filename).items()}

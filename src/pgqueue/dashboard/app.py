@@ -1,0 +1,187 @@
+"""The read-only dashboard as a Starlette app: GET routes, a single refresh loop, SSE push."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from .. import __version__
+from ..db import validate_schema
+from . import queries
+from .database import Database
+from .metrics import exposition, registry_for
+from .refresh import Refresher
+from .security import BasicAuth, ReadOnlyMethods, SecurityHeaders
+
+HERE = Path(__file__).parent
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+#: SSE comment lines keep proxies from closing an idle stream.
+KEEPALIVE_SECONDS = 15.0
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+def create_app(
+    dsn: str,
+    schema: str = "public",
+    *,
+    refresh_interval: float = 1.0,
+    basic_auth: tuple[str, str] | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    late_heartbeat_seconds: float = 15.0,
+    statement_timeout_ms: int = 5000,
+) -> Starlette:
+    """The dashboard app. ``allowed_hosts`` defaults to loopback names (a guard against DNS
+    rebinding); ``late_heartbeat_seconds`` is when a worker's heartbeat counts as late."""
+    schema = validate_schema(schema)
+    if refresh_interval <= 0:
+        raise ValueError("refresh_interval must be positive")
+    database = Database(dsn, statement_timeout_ms=statement_timeout_ms)
+    refresher = Refresher(
+        database, schema, interval=refresh_interval, late_after=late_heartbeat_seconds
+    )
+    registry = registry_for(refresher)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True, auto_reload=False
+    )
+    templates = Jinja2Templates(env=env)
+
+    async def index(request: Request) -> Response:
+        return templates.TemplateResponse(
+            request, "index.html", {"version": __version__, "interval": refresh_interval},
+            headers=NO_STORE,
+        )  # fmt: skip
+
+    async def snapshot(request: Request) -> Response:
+        if refresher.snapshot is None and refresher.broadcaster.latest is None:
+            return JSONResponse({"status": "starting"}, status_code=503, headers=NO_STORE)
+        body = refresher.broadcaster.latest or json.dumps(refresher.snapshot).encode()
+        return Response(body, media_type="application/json", headers=NO_STORE)
+
+    async def job(request: Request) -> Response:
+        job_id = int(request.path_params["job_id"])
+        try:
+            async with database.session() as conn:
+                detail = await queries.job_detail(conn, schema, job_id)
+        except Exception:
+            return JSONResponse({"error": "database unavailable"}, status_code=503)
+        if detail is None:
+            return JSONResponse({"error": "no such job"}, status_code=404, headers=NO_STORE)
+        return JSONResponse(detail, headers=NO_STORE)
+
+    async def events(request: Request) -> Response:
+        async def stream() -> AsyncIterator[bytes]:
+            broadcaster = refresher.broadcaster
+            broadcaster.listeners += 1
+            try:
+                yield b"retry: 2000\n\n"
+                seq = 0
+                while True:
+                    seq, payload = await broadcaster.next(seq, KEEPALIVE_SECONDS)
+                    yield b": keepalive\n\n" if payload is None else b"data: " + payload + b"\n\n"
+            finally:
+                broadcaster.listeners -= 1
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream",
+            headers={**NO_STORE, "X-Accel-Buffering": "no"},
+        )  # fmt: skip
+
+    async def metrics(request: Request) -> Response:
+        return Response(exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("ok" if refresher.healthy else "database unreachable",
+                                 status_code=200 if refresher.healthy else 503)  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(refresher.run(), name="pgqueue-dashboard-refresh")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await database.close()
+
+    get = ["GET", "HEAD"]
+    routes = [
+        Route("/", index, methods=get),
+        Route("/api/snapshot", snapshot, methods=get),
+        Route("/api/jobs/{job_id:int}", job, methods=get),
+        Route("/events", events, methods=get),
+        Route("/metrics", metrics, methods=get),
+        Route("/health", health, methods=get),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    middleware = [
+        Middleware(SecurityHeaders),
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts or LOOPBACK_HOSTS)),
+        Middleware(ReadOnlyMethods),
+    ]
+    if basic_auth is not None:
+        username, password = basic_auth
+        if not username or not password:
+            raise ValueError("basic auth needs both a username and a password")
+        middleware.append(Middleware(BasicAuth, username=username, password=password))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.refresher = refresher
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "::1", "[::1]"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(
+    dsn: str,
+    schema: str = "public",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    basic_auth: tuple[str, str] | None = None,
+    allow_public: bool = False,
+    allowed_hosts: Sequence[str] | None = None,
+    refresh_interval: float = 1.0,
+    log_level: str = "info",
+) -> None:
+    """Run the dashboard with uvicorn. A non-loopback bind without auth is refused unless
+    ``allow_public``: job arguments and errors can hold anything."""
+    import uvicorn
+
+    loopback = is_loopback(host)
+    if not loopback and basic_auth is None and not allow_public:
+        raise PublicBindError(
+            f"refusing to serve the dashboard on {host} without authentication: set a username "
+            "and password, or pass --allow-public if something in front of it authenticates"
+        )
+    if allowed_hosts is None and not loopback:
+        allowed_hosts = ["*"]  # names are unknown; auth (or the proxy in front) is the guard
+    app = create_app(
+        dsn, schema, refresh_interval=refresh_interval, basic_auth=basic_auth,
+        allowed_hosts=allowed_hosts,
+    )  # fmt: skip
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+
+
+class PublicBindError(Exception):
+    """Binding a non-loopback address without authentication was not explicitly allowed."""

@@ -1,0 +1,104 @@
+"""The dashboard's figures from query rows: pure functions, unit-tested without a database.
+
+Windows: charts cover the last ``WINDOW`` (120) whole seconds of the database clock; the
+throughput tile averages the last ``RATE_WINDOW`` (10) settled seconds; the retry, failure and
+percentile tiles cover the last 60 seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .. import stats
+
+WINDOW = 120
+RATE_WINDOW = 10
+#: A second is "settled" two seconds after it ends: workers flush once per second.
+SETTLE = 2
+
+
+def seconds(end: int, window: int = WINDOW) -> list[int]:
+    """The chart's x values: the ``window`` whole seconds up to and including ``end``."""
+    return list(range(end - window + 1, end + 1))
+
+
+def throughput(rows: Iterable[Sequence[Any]], end: int) -> dict[str, Any]:
+    """Per-second finished attempts: succeeded, and failed (retried + dead) stacked on it."""
+    by_second = {int(r[0]): (int(r[1]), int(r[2]) + int(r[3]), int(r[2]), int(r[3])) for r in rows}
+    xs = seconds(end)
+    succeeded = [by_second.get(t, (0, 0, 0, 0))[0] for t in xs]
+    failed = [by_second.get(t, (0, 0, 0, 0))[1] for t in xs]
+    last60 = [by_second[t] for t in xs[-60:] if t in by_second]
+    settled = xs[-RATE_WINDOW - SETTLE : -SETTLE]
+    finished = sum(by_second.get(t, (0, 0, 0, 0))[0] + by_second.get(t, (0, 0, 0, 0))[1]
+                   for t in settled)  # fmt: skip
+    return {
+        "t": xs,
+        "succeeded": succeeded,
+        "failed": failed,
+        "rate": finished / RATE_WINDOW,
+        "retries_60s": sum(v[2] for v in last60),
+        "failed_60s": sum(v[3] for v in last60),
+    }
+
+
+def histograms(rows: Iterable[Sequence[Any]]) -> dict[str, dict[int, int]]:
+    merged: dict[str, dict[int, int]] = {"pickup": {}, "run": {}}
+    for kind, index, count in rows:
+        stats.merge(merged[str(kind)], {int(index): int(count)})
+    return merged
+
+
+def latency(hists: Mapping[str, Mapping[int, int]]) -> dict[str, float | None]:
+    return {
+        "pickup_p50": stats.percentile(hists["pickup"], 0.50),
+        "pickup_p95": stats.percentile(hists["pickup"], 0.95),
+        "run_p50": stats.percentile(hists["run"], 0.50),
+        "run_p95": stats.percentile(hists["run"], 0.95),
+    }
+
+
+def depth_counts(rows: Iterable[Sequence[Any]]) -> dict[str, dict[str, int]]:
+    """{queue: {queued, retrying, running}} from (queue, queued, retrying, running) rows."""
+    return {
+        str(queue): {"queued": int(queued), "retrying": int(retrying), "running": int(running)}
+        for queue, queued, retrying, running in rows
+    }
+
+
+def depth_series(
+    sampled: Iterable[Sequence[Any]],
+    observed: Mapping[int, Mapping[str, int]],
+    end: int,
+) -> dict[str, Any]:
+    """Waiting jobs per queue per second. Workers' samples (shared, survive restarts) win; the
+    seconds they miss are filled from what this dashboard observed itself; else 0."""
+    by_second: dict[int, dict[str, int]] = {}
+    for second, queue, waiting, _running in sampled:
+        by_second.setdefault(int(second), {})[str(queue)] = int(waiting)
+    xs = seconds(end)
+    for t in xs:
+        if t not in by_second and t in observed:
+            by_second[t] = dict(observed[t])
+    names = sorted({q for t in xs for q in by_second.get(t, {})})
+    series = {q: [by_second.get(t, {}).get(q, 0) for t in xs] for q in names}
+    # A queue that never had anything waiting in the window is noise on the chart.
+    series = {q: v for q, v in series.items() if any(v)}
+    return {"t": xs, "queues": series}
+
+
+def worker_row(row: Sequence[Any], late_after: float) -> dict[str, Any]:
+    age = float(row[6])
+    return {
+        "id": row[0],
+        "host": row[1],
+        "pid": int(row[2]),
+        "queues": list(row[3]) if row[3] is not None else None,
+        "concurrency": int(row[4]),
+        "uptime": float(row[5]),
+        "heartbeat_age": age,
+        "stale_writes": int(row[7]),
+        "leases": int(row[8]),
+        "late": age > late_after,
+    }

@@ -1,0 +1,155 @@
+"""The single background loop: one read of every panel per interval, pushed to all pages.
+
+It also remembers what a snapshot alone cannot say: the depth it observed in seconds no worker
+sampled, the previous insert counter (for the INSERT arrow's rate), and the cumulative counters
+behind /metrics. When the database goes away it publishes a "reconnecting" snapshot that keeps
+the last figures, and retries until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from .. import __version__, stats
+from . import figures, queries
+from .broadcast import Broadcaster
+from .database import Database
+
+log = logging.getLogger("pgqueue.dashboard")
+
+
+@dataclass
+class Totals:
+    """Cumulative since this dashboard started: what Prometheus counters need."""
+
+    finished: dict[tuple[str, str], int] = field(default_factory=dict)
+    pickup: dict[int, int] = field(default_factory=dict)
+    run: dict[int, int] = field(default_factory=dict)
+    watermark: datetime | None = None
+
+    def add(self, rows: list[tuple[Any, ...]]) -> None:
+        for queue, succeeded, retried, dead, lost, pickups, runs in rows:
+            for outcome, n in zip(stats.OUTCOMES, (succeeded, retried, dead, lost), strict=True):
+                key = (str(queue), outcome)
+                self.finished[key] = self.finished.get(key, 0) + int(n)
+            for hist in pickups:
+                stats.merge(self.pickup, hist)
+            for hist in runs:
+                stats.merge(self.run, hist)
+
+
+class Refresher:
+    def __init__(
+        self,
+        database: Database,
+        schema: str,
+        *,
+        interval: float = 1.0,
+        late_after: float = 15.0,
+    ) -> None:
+        self.database = database
+        self.schema = schema
+        self.interval = interval
+        self.late_after = late_after
+        self.broadcaster = Broadcaster()
+        self.refreshes = 0
+        self.snapshot: dict[str, Any] | None = None
+        self.totals = Totals()
+        self._observed: deque[tuple[int, dict[str, int]]] = deque(maxlen=figures.WINDOW + 5)
+        self._inserts: tuple[float, int] | None = None
+        self._insert_rate: float | None = None
+        #: False while the database is unreachable (the last snapshot is then stale).
+        self.healthy = False
+
+    async def run(self) -> None:
+        """Refresh forever at the interval; errors become a reconnecting state, never a crash."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self.refresh_once()
+            except (psycopg.Error, OSError) as exc:
+                await self._publish_down(exc)
+            except Exception as exc:  # a bug must not stop the loop for every open page
+                log.exception("dashboard refresh failed")
+                await self._publish_down(exc)
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(max(self.interval - elapsed, 0.05))
+
+    async def refresh_once(self) -> dict[str, Any]:
+        async with self.database.session() as conn:
+            reading = await queries.read(conn, self.schema, late_after=self.late_after)
+            # Cheap: after the first read it covers only the seconds settled since the last.
+            until, rows = await queries.finished_since(conn, self.schema, self.totals.watermark)
+            self.totals.add(rows)
+            self.totals.watermark = until
+        self.refreshes += 1
+        self.healthy = True
+        snapshot = self._build(reading)
+        self.snapshot = snapshot
+        await self.broadcaster.publish(json.dumps(snapshot, separators=(",", ":")).encode())
+        return snapshot
+
+    def _build(self, r: queries.Reading) -> dict[str, Any]:
+        waiting_now = {q: c["queued"] + c["retrying"] for q, c in r.depth.items()}
+        if not self._observed or self._observed[-1][0] != r.second:
+            self._observed.append((r.second, waiting_now))
+        depth = figures.depth_series(r.depth_samples, dict(self._observed), r.second)
+        if r.inserts_total is not None:
+            if self._inserts is not None and r.now > self._inserts[0]:
+                delta = max(r.inserts_total - self._inserts[1], 0)
+                self._insert_rate = delta / (r.now - self._inserts[0])
+            self._inserts = (r.now, r.inserts_total)
+        totals = {s: sum(c[s] for c in r.depth.values()) for s in ("queued", "retrying", "running")}
+        tput = r.throughput
+        alive = sum(1 for w in r.workers if not w["late"])
+        return {
+            "status": "ok",
+            "error": None,
+            "version": __version__,
+            "now": r.now,
+            "refresh": self.refreshes,
+            "interval": self.interval,
+            "tiles": {
+                "throughput": tput["rate"],
+                **r.latency,
+                "waiting": totals["queued"] + totals["retrying"],
+                "queued": totals["queued"],
+                "retrying": totals["retrying"],
+                "running": totals["running"],
+                "retries_60s": tput["retries_60s"],
+                "failed_60s": tput["failed_60s"],
+            },
+            "throughput": {k: tput[k] for k in ("t", "succeeded", "failed")},
+            "depth": depth,
+            "queues": [{"queue": q, **c} for q, c in sorted(r.depth.items())],
+            "workers": r.workers,
+            "workers_alive": alive,
+            "running": r.running,
+            "problems": r.problems,
+            "problem_counts": r.problem_counts,
+            "feed": r.feed,
+            "schedules": r.schedules or [],
+            "schedules_available": r.schedules is not None,
+            "rates": {
+                "insert": self._insert_rate,
+                "claim": tput["rate"],
+                "heartbeat_workers": alive,
+            },
+        }
+
+    async def _publish_down(self, exc: BaseException) -> None:
+        self.healthy = False
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("dashboard cannot read the database: %s", reason)
+        base = dict(self.snapshot) if self.snapshot else {"version": __version__}
+        base.update({"status": "reconnecting", "error": reason})
+        await self.broadcaster.publish(json.dumps(base, separators=(",", ":")).encode())

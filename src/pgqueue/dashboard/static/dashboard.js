@@ -1,0 +1,275 @@
+// pgqueue dashboard: renders the snapshots the server pushes over Server-Sent Events.
+// Everything from the database is written with textContent, never as HTML.
+(function () {
+  "use strict";
+
+  const $ = (id) => document.getElementById(id);
+  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
+
+  // --- formatting ------------------------------------------------------------------------
+  function fmtSeconds(s) {
+    if (s === null || s === undefined) return "–";
+    const a = Math.abs(s);
+    if (a < 0.001) return (s * 1e6).toFixed(0) + " µs";
+    if (a < 1) return (s * 1000).toFixed(a < 0.01 ? 1 : 0) + " ms";
+    if (a < 60) return s.toFixed(a < 10 ? 2 : 1) + " s";
+    if (a < 3600) return Math.floor(a / 60) + "m " + String(Math.floor(a % 60)).padStart(2, "0") + "s";
+    if (a < 86400) return Math.floor(a / 3600) + "h " + String(Math.floor((a % 3600) / 60)).padStart(2, "0") + "m";
+    return Math.floor(a / 86400) + "d " + Math.floor((a % 86400) / 3600) + "h";
+  }
+  function fmtAgo(s) { return s === null || s === undefined ? "–" : (s < 0 ? "in " + fmtSeconds(-s) : fmtSeconds(s) + " ago"); }
+  function fmtRelative(s) { return s === null || s === undefined ? "–" : (s >= 0 ? "in " + fmtSeconds(s) : fmtSeconds(-s) + " ago"); }
+  function fmtInt(n) { return n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"); }
+  function fmtRate(r) { return r === null || r === undefined ? "–" : (r >= 100 ? r.toFixed(0) : r >= 10 ? r.toFixed(1) : r.toFixed(2)); }
+  function pair(a, b) { return a === null || a === undefined ? "–" : fmtSeconds(a) + " / " + fmtSeconds(b); }
+  function shortId(id) { return id ? String(id).slice(0, 8) : "–"; }
+  function elapsed() { return (performance.now() - state.receivedAt) / 1000; }
+
+  function el(tag, cls, text) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    return node;
+  }
+  function cell(text, cls) { return el("td", cls, text); }
+  function emptyRow(cols, text) { const tr = el("tr", "empty-row"); const td = cell(text); td.colSpan = cols; tr.append(td); return tr; }
+  function setText(id, text) { const node = $(id); if (node.textContent !== text) node.textContent = text; }
+
+  // --- connection state ------------------------------------------------------------------
+  function setConn(kind, text) {
+    const conn = $("conn");
+    conn.dataset.state = kind;
+    $("conn-text").textContent = text;
+    document.body.classList.toggle("stale", kind === "reconnecting");
+  }
+
+  // --- tiles -----------------------------------------------------------------------------
+  function renderTiles(t) {
+    setText("t-throughput", fmtRate(t.throughput));
+    setText("t-pickup", pair(t.pickup_p50, t.pickup_p95));
+    setText("t-run", pair(t.run_p50, t.run_p95));
+    setText("t-waiting", fmtInt(t.waiting));
+    setText("t-running", fmtInt(t.running));
+    setText("t-retries", fmtInt(t.retries_60s));
+    setText("t-failed", fmtInt(t.failed_60s));
+    $("t-failed").parentElement.classList.toggle("hot", t.failed_60s > 0);
+  }
+
+  // --- charts (uPlot) --------------------------------------------------------------------
+  function cssVar(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
+  function chartSize(node) { return { width: Math.max(node.clientWidth, 200), height: 200 }; }
+  function axes() {
+    const ink = cssVar("--muted"), grid = cssVar("--line");
+    const common = { stroke: ink, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 } };
+    return [
+      Object.assign({}, common, { values: (u, ticks) => ticks.map((v) => new Date(v * 1000).toISOString().slice(11, 19)) }),
+      Object.assign({}, common, { size: 44 }),
+    ];
+  }
+
+  function renderThroughput(tp) {
+    if (!window.uPlot) return;
+    const total = tp.succeeded.map((s, i) => s + tp.failed[i]);
+    const data = [tp.t, total, tp.succeeded];
+    if (!state.charts.tp) {
+      const node = $("chart-throughput");
+      const ok = cssVar("--ok"), bad = cssVar("--bad");
+      state.charts.tp = new window.uPlot(Object.assign(chartSize(node), {
+        legend: { show: false }, cursor: { drag: { x: false, y: false } },
+        scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
+        axes: axes(),
+        series: [{}, { label: "failed / dead", stroke: bad, fill: bad + "cc", width: 1, points: { show: false } },
+                 { label: "succeeded", stroke: ok, fill: ok + "cc", width: 1, points: { show: false } }],
+      }), data, node);
+    } else {
+      state.charts.tp.setData(data);
+    }
+  }
+
+  const QUEUE_COLOURS = ["--q1", "--q2", "--q3", "--q4", "--q5", "--q6"];
+  function renderDepth(depth) {
+    const names = Object.keys(depth.queues);
+    $("depth-empty").hidden = names.length > 0;
+    $("chart-depth").hidden = names.length === 0;
+    const legend = $("depth-legend");
+    const key = names.join("\u0000");
+    if (key !== state.depthKey) {
+      state.depthKey = key;
+      legend.replaceChildren(...names.flatMap((n, i) => [el("span", "key q" + (i % 6)), el("span", "qname", n)]));
+      if (state.charts.depth) { state.charts.depth.destroy(); state.charts.depth = null; }
+    }
+    if (!window.uPlot || names.length === 0) return;
+    const data = [depth.t, ...names.map((n) => depth.queues[n])];
+    if (!state.charts.depth) {
+      const node = $("chart-depth");
+      state.charts.depth = new window.uPlot(Object.assign(chartSize(node), {
+        legend: { show: false }, cursor: { drag: { x: false, y: false } },
+        scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
+        axes: axes(),
+        series: [{}, ...names.map((n, i) => ({ label: n, stroke: cssVar(QUEUE_COLOURS[i % 6]), width: 2, points: { show: false } }))],
+      }), data, node);
+    } else {
+      state.charts.depth.setData(data);
+    }
+  }
+
+  // --- lists -----------------------------------------------------------------------------
+  function renderWorkers(workers) {
+    $("workers-empty").hidden = workers.length > 0;
+    $("workers").replaceChildren(...workers.map((w) => {
+      const li = el("li", w.late ? "late" : "");
+      li.dataset.heartbeat = String(w.heartbeat_age);
+      li.append(el("span", "beat"), el("span", "who", w.host + " · pid " + w.pid));
+      const hb = el("span", "hb", "");
+      hb.dataset.age = String(w.heartbeat_age);
+      li.append(hb);
+      const queues = w.queues && w.queues.length ? w.queues.join(", ") : "all queues";
+      li.append(el("span", "meta", shortId(w.id) + " · " + w.leases + " / " + w.concurrency + " leases held · " + queues +
+        " · up " + fmtSeconds(w.uptime) + (w.stale_writes ? " · " + w.stale_writes + " stale writes refused" : "")));
+      return li;
+    }));
+  }
+
+  function renderFeed(feed) {
+    const list = $("feed");
+    if (!feed.length) { list.replaceChildren(el("li", "empty", "Waiting for jobs…")); return; }
+    const first = state.seenFeed.size === 0;
+    const seen = new Set();
+    list.replaceChildren(...feed.map((e) => {
+      const key = e.id + ":" + e.event + ":" + e.at;
+      seen.add(key);
+      const li = el("li", !first && !state.seenFeed.has(key) ? "new" : "");
+      li.append(el("span", "ev " + e.event, e.event));
+      li.append(el("span", "what", "#" + e.id + " " + e.task + " · " + e.queue + (e.attempt > 1 ? " · attempt " + e.attempt : "")));
+      const ago = el("span", "ago");
+      ago.dataset.at = String(e.at);
+      li.append(ago);
+      return li;
+    }));
+    state.seenFeed = seen;
+  }
+
+  function renderRunning(rows) {
+    const body = $("running");
+    if (!rows.length) { body.replaceChildren(emptyRow(7, "Nothing is running right now")); return; }
+    body.replaceChildren(...rows.map((r) => {
+      const tr = el("tr");
+      const task = cell(r.task); task.append(el("span", "args mono", r.args));
+      const running = cell("", "num running-for"); running.dataset.base = String(r.running_for);
+      const lease = cell("", "num lease"); lease.dataset.base = String(r.lease_left);
+      tr.append(cell("#" + r.id, "num"), task, cell(r.queue), cell(shortId(r.worker), "mono"),
+        cell(r.attempt + " / " + r.max_attempts, "num"), running, lease);
+      return tr;
+    }));
+  }
+
+  async function loadError(id, pre) {
+    if (state.fullErrors.has(id)) { pre.textContent = state.fullErrors.get(id); return; }
+    pre.textContent = "loading…";
+    try {
+      const response = await fetch("api/jobs/" + encodeURIComponent(id), { headers: { Accept: "application/json" } });
+      const job = await response.json();
+      const text = response.ok ? (job.last_error || "(no error recorded)") + "\n\nargs: " + job.args : (job.error || "not found");
+      state.fullErrors.set(id, text);
+      pre.textContent = text;
+    } catch (err) {
+      pre.textContent = "could not load the error: " + err;
+    }
+  }
+
+  function renderProblems(rows, counts) {
+    setText("problem-counts", counts ? "· " + fmtInt(counts.dead) + " dead · " + fmtInt(counts.retrying) + " retrying" : "");
+    const body = $("problems");
+    if (!rows.length) { body.replaceChildren(emptyRow(6, "Nothing here")); return; }
+    body.replaceChildren(...rows.map((r) => {
+      const tr = el("tr");
+      tr.dataset.job = String(r.id);
+      const task = cell(r.task); task.append(el("span", "args mono", r.args));
+      const status = el("span", "pill " + r.status, r.status);
+      const attempts = cell(r.attempts + " / " + r.max_attempts + " ", "num"); attempts.append(status);
+      const details = el("details", "error");
+      const summary = el("summary", "", r.error ? r.error.split("\n")[0] : "(no error recorded)");
+      const pre = el("pre", "mono");
+      details.append(summary, pre);
+      details.addEventListener("toggle", () => {
+        if (details.open) { state.openErrors.add(r.id); loadError(r.id, pre); } else { state.openErrors.delete(r.id); }
+      });
+      if (state.openErrors.has(r.id)) { details.open = true; pre.textContent = state.fullErrors.get(r.id) || ""; }
+      const errorCell = cell(""); errorCell.append(details);
+      const when = cell(r.status === "dead" ? fmtAgo(-r.when) : "retry " + fmtRelative(r.when), "num");
+      tr.append(cell("#" + r.id, "num"), task, cell(r.queue), attempts, errorCell, when);
+      return tr;
+    }));
+  }
+
+  function renderSchedules(rows) {
+    const body = $("schedules");
+    if (!rows.length) { body.replaceChildren(emptyRow(6, "No schedules")); return; }
+    body.replaceChildren(...rows.map((s) => {
+      const tr = el("tr");
+      const name = cell(s.name);
+      if (s.paused || s.enabled === false) name.append(" ", el("span", "pill paused", s.paused ? "paused" : "disabled"));
+      tr.append(name, cell(s.cron, "mono"), cell(s.task), cell(s.queue), cell(fmtRelative(s.next_run), "num"), cell(fmtRelative(s.last_run), "num"));
+      return tr;
+    }));
+  }
+
+  function renderRates(snap) {
+    const r = snap.rates || {};
+    setText("rate-insert", r.insert === null || r.insert === undefined ? "" : fmtRate(r.insert) + " jobs/s");
+    setText("rate-claim", r.claim === null || r.claim === undefined ? "" : fmtRate(r.claim) + " jobs/s");
+    setText("rate-heartbeat", r.heartbeat_workers ? r.heartbeat_workers + " live workers" : "");
+  }
+
+  // Lease left and running-for move every 250 ms between snapshots, from the server's figures.
+  function tick() {
+    const dt = elapsed();
+    for (const td of document.querySelectorAll("td.lease")) {
+      const left = Number(td.dataset.base) - dt;
+      td.textContent = left > 0 ? fmtSeconds(left) : "expired";
+      td.classList.toggle("low", left < 5);
+    }
+    for (const td of document.querySelectorAll("td.running-for")) td.textContent = fmtSeconds(Number(td.dataset.base) + dt);
+    for (const span of document.querySelectorAll(".workers .hb")) span.textContent = "heartbeat " + fmtSeconds(Number(span.dataset.age) + dt) + " ago";
+    if (state.snap && state.snap.now) {
+      const now = state.snap.now + dt;
+      for (const span of document.querySelectorAll(".feed .ago")) span.textContent = fmtSeconds(Math.max(now - Number(span.dataset.at), 0)) + " ago";
+    }
+  }
+
+  function render(snap) {
+    if (snap.status !== "ok") {
+      setConn("reconnecting", "reconnecting to the database…");
+      return;
+    }
+    setConn("live", "live");
+    state.snap = snap;
+    state.receivedAt = performance.now();
+    document.body.dataset.refresh = String(snap.refresh);
+    renderTiles(snap.tiles);
+    renderThroughput(snap.throughput);
+    renderDepth(snap.depth);
+    renderWorkers(snap.workers);
+    renderFeed(snap.feed);
+    renderRunning(snap.running);
+    renderProblems(snap.problems, snap.problem_counts);
+    renderSchedules(snap.schedules);
+    renderRates(snap);
+    tick();
+  }
+
+  function connect() {
+    const source = new EventSource("events");
+    source.onmessage = (event) => { try { render(JSON.parse(event.data)); } catch (err) { console.error(err); } };
+    source.onerror = () => { setConn("reconnecting", "reconnecting…"); };
+  }
+
+  window.addEventListener("resize", () => {
+    for (const chart of Object.values(state.charts)) if (chart) chart.setSize(chartSize(chart.root.parentElement));
+  });
+
+  document.addEventListener("DOMContentLoaded", () => {
+    connect();
+    setInterval(tick, 250);
+  });
+})();

@@ -1,0 +1,175 @@
+"""The dashboard in headless Chromium: panels, empty states, live updates, XSS, read-only.
+
+Skipped only when Debian's chromium is missing (CI installs it with apt-get).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import uvicorn
+
+from pgqueue import __version__
+from pgqueue.dashboard.app import create_app
+from tests.dashboard_data import XSS, plant
+
+CHROMIUM = os.environ.get("PGQUEUE_CHROMIUM", "/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(
+        f"chromium not found at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True
+    )
+
+from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def base_url(dsn: str) -> Iterator[str]:
+    port = _free_port()
+    app = create_app(dsn, refresh_interval=0.3)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=1, lifespan="on")  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "dashboard did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def page(browser: Browser, base_url: str) -> Iterator[Page]:
+    """A tab that closes before the server stops (an open event stream would hold it up)."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+
+    def on_dialog(dialog: Dialog) -> None:
+        errors.append("dialog: " + dialog.message)
+        dialog.dismiss()
+
+    tab.on("dialog", on_dialog)
+    yield tab
+    found = list(errors)
+    context.close()
+    assert found == [], found  # no CSP violations, script errors or alert() calls
+
+
+def _open(page: Page, url: str) -> None:
+    page.goto(url)
+    page.wait_for_function("Number(document.body.dataset.refresh) > 0", timeout=10_000)
+
+
+def test_empty_database_shows_every_empty_state(page: Page, base_url: str) -> None:
+    _open(page, base_url)
+    expect(page.locator("h1")).to_have_text(f"pgqueue v{__version__}")
+    expect(page.locator(".badge")).to_have_text("read-only")
+    for text in ["No jobs yet", "No workers running", "Waiting for jobs…",
+                 "Nothing is running right now", "Nothing here", "No schedules"]:  # fmt: skip
+        expect(page.get_by_text(text, exact=True)).to_be_visible()
+    expect(page.locator("#t-waiting")).to_have_text("0")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    how = page.locator("#p-how")
+    for text in ["SKIP LOCKED claiming", "Leases and crash recovery", "LISTEN / NOTIFY",
+                 "Retries and dead letters", "1 · INSERT", "2 · NOTIFY", "3 · SKIP LOCKED",
+                 "4 · heartbeat"]:  # fmt: skip
+        expect(how.get_by_text(text, exact=True)).to_be_visible()
+    expect(how.locator("figcaption")).to_have_text(
+        "Solid arrows are SQL statements, dashed arrows are LISTEN/NOTIFY wake-ups."
+    )
+
+
+def test_panels_render_data_and_change_without_reload(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)
+    _open(page, base_url)
+    expect(page.locator("#t-waiting")).to_have_text("7")
+    expect(page.locator("#t-running")).to_have_text("2")
+    expect(page.locator("#t-failed")).to_have_text("1")
+    expect(page.locator("#workers li")).to_have_count(2)
+    expect(page.locator("#workers li.late")).to_have_count(1)
+    expect(page.locator("#workers li.late")).to_contain_text("web-2")
+    expect(page.locator("#running tr")).to_have_count(2)
+    expect(page.locator("#problems tr")).to_have_count(2)
+    expect(page.locator("#schedules tr")).to_have_count(2)
+    expect(page.locator("#schedules")).to_contain_text("*/15 * * * *")
+    expect(page.locator("#feed li.empty")).to_have_count(0)
+    expect(page.locator("#chart-throughput canvas")).to_have_count(1)
+    expect(page.locator("#chart-depth canvas")).to_have_count(1)
+    expect(page.locator("#depth-empty")).to_be_hidden()
+
+    # The full error is one click away.
+    page.locator("#problems details summary").first.click()
+    expect(page.locator("#problems details pre").first).to_contain_text("END-OF-TRACEBACK")
+
+    # Lease left counts down between snapshots.
+    lease = page.locator("#running td.lease").first
+    before = lease.inner_text()
+    page.wait_for_function(
+        "b => document.querySelector('#running td.lease').textContent !== b", arg=before
+    )
+
+    # New jobs show up in place: the marker survives, so the page never reloaded.
+    page.evaluate("window.__marker = 42")
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task) SELECT 'emails', 'late_arrival'"
+        " FROM generate_series(1, 3)"
+    )
+    expect(page.locator("#t-waiting")).to_have_text("10")
+    expect(page.locator("#feed")).to_contain_text("late_arrival")
+    assert page.evaluate("window.__marker") == 42
+
+
+def test_planted_xss_payloads_show_as_text_and_never_run(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn, xss=True)
+    _open(page, base_url)
+    expect(page.locator("#problems")).to_contain_text(XSS[:20])
+    expect(page.locator("#schedules")).to_contain_text(XSS)
+    expect(page.locator("#depth-legend")).to_contain_text(XSS)
+    expect(page.locator("#feed")).to_contain_text("build_report<img")
+    page.locator("#problems details summary").first.click()
+    expect(page.locator("#problems details pre").first).to_contain_text("END-OF-TRACEBACK")
+    assert page.evaluate("window.__xss") is None
+    assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
+
+
+def test_writes_are_refused_and_the_csp_is_strict(page: Page, base_url: str) -> None:
+    response = page.goto(base_url)
+    assert response is not None
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "'unsafe-inline'" not in csp
+    for method in ("post", "put", "delete", "patch"):
+        assert getattr(page.request, method)(base_url + "/").status == 405
+    assert page.request.post(base_url + "/api/snapshot").status == 405

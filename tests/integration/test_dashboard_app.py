@@ -1,0 +1,171 @@
+"""The dashboard app over HTTP: read-only routes, guards, API, metrics, recovery."""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from starlette.testclient import TestClient
+
+from pgqueue import __version__
+from pgqueue.dashboard.app import create_app
+from pgqueue.dashboard.cli import dashboard_command
+from tests.dashboard_data import plant
+
+ROUTES = ["/", "/api/snapshot", "/api/jobs/1", "/events", "/metrics", "/health",
+          "/static/dashboard.js", "/nope"]  # fmt: skip
+WRITE_METHODS = ["POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(0.05)
+
+
+def snapshot(client: TestClient, after: int = 0) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        response = client.get("/api/snapshot")
+        if response.status_code != 200:
+            return None
+        body: dict[str, Any] = response.json()
+        return body if body.get("refresh", 0) > after and body["status"] == "ok" else None
+
+    result: dict[str, Any] = wait_for(ready)
+    return result
+
+
+@pytest.fixture
+def client(dsn: str) -> Iterator[TestClient]:
+    app = create_app(dsn, refresh_interval=0.2)
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
+        yield test_client
+
+
+def test_every_write_method_on_every_route_is_refused(client: TestClient) -> None:
+    for route in ROUTES:
+        for method in WRITE_METHODS:
+            response = client.request(method, route)
+            assert response.status_code == 405, (method, route)
+            assert response.headers["allow"] == "GET, HEAD"
+
+
+def test_pages_carry_a_strict_csp_and_hardening_headers(client: TestClient) -> None:
+    response = client.get("/")
+    assert response.status_code == 200
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert "frame-ancestors 'none'" in csp
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert f"v{__version__}" in response.text and "read-only" in response.text
+    assert "<script>" not in response.text  # scripts are files only
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_snapshot_api_reports_known_figures(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    first = snapshot(client)
+    assert first["tiles"]["waiting"] == 0 and first["workers"] == []
+    plant(conn)
+    snap = snapshot(client, first["refresh"])
+    assert snap["tiles"]["waiting"] == 7 and snap["tiles"]["running"] == 2
+    assert snap["tiles"]["retries_60s"] >= 58 and snap["tiles"]["failed_60s"] == 1
+    assert snap["workers_alive"] == 1 and len(snap["workers"]) == 2
+    assert snap["schedules_available"] is True and len(snap["schedules"]) == 2
+    assert len(snap["throughput"]["t"]) == 120 and "emails" in snap["depth"]["queues"]
+
+
+def test_job_api_returns_the_full_error_or_404(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)
+    row = conn.execute("SELECT id FROM pgqueue_jobs WHERE status = 'dead'").fetchone()
+    assert row is not None
+    job = client.get(f"/api/jobs/{row[0]}").json()
+    assert job["last_error"].endswith("END-OF-TRACEBACK")
+    assert client.get("/api/jobs/999999").status_code == 404
+
+
+def test_metrics_expose_depth_finished_latency_and_workers(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)  # before the dashboard starts: its counters begin with what is settled then
+    with TestClient(create_app(dsn, refresh_interval=0.2), base_url="http://127.0.0.1") as client:
+        snapshot(client)
+        text = _scrape(client)
+    found = re.search(r'finished_total\{outcome="succeeded",queue="emails"\} (\d+)', text)
+    assert found is not None and 500 <= float(found[1]) <= 600
+    assert "pgqueue_pickup_latency_seconds_bucket" in text
+    assert "pgqueue_run_seconds_count" in text
+    assert "pgqueue_workers_alive 1.0" in text
+
+
+def _scrape(client: TestClient) -> str:
+    def scraped() -> str | None:
+        text = client.get("/metrics").text
+        return text if 'pgqueue_jobs{queue="emails",status="queued"} 5.0' in text else None
+
+    text: str = wait_for(scraped)
+    return text
+
+
+def test_the_refresh_loop_recovers_when_its_backend_is_killed(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    before = snapshot(client)
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+        " WHERE application_name = 'pgqueue-dashboard' AND datname = current_database()"
+    )
+    after = snapshot(client, before["refresh"] + 2)
+    assert after["status"] == "ok"
+
+
+def test_dashboard_sessions_are_read_only(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    snapshot(client)
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgqueue-dashboard'"
+        " AND datname = current_database()"
+    ).fetchone()
+    assert row == (1,)  # one session however many pages are open
+
+
+def test_unknown_host_header_is_refused(client: TestClient) -> None:
+    assert client.get("/", headers={"host": "evil.example"}).status_code == 400
+
+
+def test_basic_auth_guards_everything_but_health(dsn: str) -> None:
+    app = create_app(dsn, basic_auth=("admin", "s3cret"))
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        for route in ROUTES:
+            if route == "/health":
+                continue
+            response = c.get(route)
+            assert response.status_code == 401, route
+            assert response.headers["www-authenticate"].startswith("Basic")
+        assert c.get("/", auth=("admin", "wrong")).status_code == 401
+        assert c.get("/", auth=("admin", "s3cret")).status_code == 200
+        token = base64.b64encode(b"admin:s3cret").decode()
+        assert c.get("/metrics", headers={"Authorization": f"Basic {token}"}).status_code == 200
+        wait_for(lambda: c.get("/health").status_code == 200)
+
+
+def test_cli_refuses_a_public_bind_without_auth(dsn: str) -> None:
+    result = CliRunner().invoke(dashboard_command, ["--dsn", dsn, "--host", "0.0.0.0"])
+    assert result.exit_code == 2 and "without authentication" in result.output
+    result = CliRunner().invoke(dashboard_command, ["--dsn", dsn, "--username", "admin"])
+    assert result.exit_code == 2 and "both" in result.output

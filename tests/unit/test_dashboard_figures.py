@@ -1,0 +1,115 @@
+"""Figure maths of the dashboard: windows, stacking, depth gap filling, late workers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from pgqueue import stats
+from pgqueue.dashboard import figures
+from pgqueue.dashboard.app import is_loopback
+from pgqueue.dashboard.broadcast import Broadcaster
+from pgqueue.dashboard.database import session_options
+from pgqueue.dashboard.metrics import prometheus_buckets
+from pgqueue.dashboard.security import credentials_match
+
+
+def test_throughput_series_covers_two_minutes_and_splits_failures() -> None:
+    end = 1000
+    rows = [(end - 1, 4, 1, 0, 0), (end - 5, 6, 0, 2, 1), (end - 200, 99, 0, 0, 0)]
+    tp = figures.throughput(rows, end)
+    assert tp["t"][0] == end - 119 and tp["t"][-1] == end and len(tp["t"]) == 120
+    assert tp["succeeded"][-2] == 4 and tp["failed"][-2] == 1
+    assert tp["succeeded"][-6] == 6 and tp["failed"][-6] == 2
+    assert sum(tp["succeeded"]) == 10  # the row outside the window is ignored
+    assert tp["retries_60s"] == 1 and tp["failed_60s"] == 2
+
+
+def test_throughput_rate_averages_the_settled_ten_seconds() -> None:
+    end = 500
+    rows = [(end - s, 10, 1, 0, 0) for s in range(0, 30)]
+    # The last two seconds are not settled yet and do not count.
+    assert figures.throughput(rows, end)["rate"] == 11.0
+    assert figures.throughput([(end, 1000, 0, 0, 0)], end)["rate"] == 0.0
+
+
+def test_latency_tiles_come_from_the_merged_histograms() -> None:
+    fast, slow = stats.bin_of(0.002), stats.bin_of(0.5)
+    hists = figures.histograms([("pickup", fast, 90), ("pickup", slow, 10), ("run", slow, 1)])
+    tiles = figures.latency(hists)
+    assert tiles["pickup_p50"] == stats.bin_value(fast)
+    assert tiles["pickup_p95"] == stats.bin_value(slow)
+    assert tiles["run_p50"] == stats.bin_value(slow)
+    assert figures.latency(figures.histograms([]))["run_p95"] is None
+
+
+def test_depth_prefers_worker_samples_and_fills_gaps_from_observations() -> None:
+    end = 300
+    sampled = [(end - 3, "a", 5, 0), (end - 2, "a", 6, 1)]
+    observed = {end - 2: {"a": 99}, end - 1: {"a": 7}, end: {"a": 8, "b": 0}}
+    depth = figures.depth_series(sampled, observed, end)
+    assert depth["queues"]["a"][-4:] == [5, 6, 7, 8]
+    assert "b" not in depth["queues"]  # nothing ever waited there
+    assert figures.depth_series([], {}, end)["queues"] == {}
+
+
+def test_depth_counts_key_statuses_by_queue() -> None:
+    rows = [("a", 3, 0, 1), ("b", 0, 2, 0)]
+    assert figures.depth_counts(rows) == {
+        "a": {"queued": 3, "retrying": 0, "running": 1},
+        "b": {"queued": 0, "retrying": 2, "running": 0},
+    }
+
+
+def test_a_worker_is_late_past_the_threshold() -> None:
+    row = ("id", "host", 1, None, 4, 100.0, 16.0, 0, 2)
+    assert figures.worker_row(row, late_after=15.0)["late"] is True
+    assert figures.worker_row(row, late_after=20.0)["late"] is False
+
+
+def test_prometheus_buckets_are_cumulative_and_end_with_inf() -> None:
+    hist = {stats.bin_of(0.001): 3, stats.bin_of(10.0): 1}
+    buckets, total = prometheus_buckets(hist)
+    counts = [c for _, c in buckets]
+    assert counts == sorted(counts) and buckets[-1] == ("+Inf", 4.0)
+    assert 10.0 < total < 11.5
+
+
+def test_basic_auth_compare() -> None:
+    def header(user: str, password: str) -> str:
+        return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    assert credentials_match(header("admin", "s3cret"), "admin", "s3cret")
+    assert not credentials_match(header("admin", "wrong"), "admin", "s3cret")
+    assert not credentials_match(header("root", "s3cret"), "admin", "s3cret")
+    assert not credentials_match("Basic !!!", "admin", "s3cret")
+    assert not credentials_match(None, "admin", "s3cret")
+    assert not credentials_match("Bearer x", "admin", "s3cret")
+
+
+def test_loopback_detection() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert is_loopback("127.8.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
+    assert not is_loopback("example.com")
+
+
+def test_sessions_are_read_only_with_a_timeout_and_keep_dsn_options() -> None:
+    opts = session_options("postgresql://u@h/db?options=-csearch_path%3Dx", 1234)
+    assert "default_transaction_read_only=on" in opts["options"]
+    assert "statement_timeout=1234" in opts["options"]
+    assert opts["options"].startswith("-csearch_path=x")
+
+
+def test_one_publish_reaches_every_listener() -> None:
+    async def scenario() -> list[bytes | None]:
+        hub = Broadcaster()
+        waiters = [asyncio.create_task(hub.next(0, 5.0)) for _ in range(10)]
+        await asyncio.sleep(0)
+        await hub.publish(b"snapshot-1")
+        results = [payload for _, payload in await asyncio.gather(*waiters)]
+        _, timed_out = await hub.next(hub.seq, 0.01)
+        return [*results, timed_out]
+
+    results = asyncio.run(scenario())
+    assert results[:10] == [b"snapshot-1"] * 10 and results[10] is None
