@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
+include dashboard.mk
+
 .PHONY: test demo lint typecheck check venv clean
 
 $(STAMP): pyproject.toml
@@ -26,10 +28,10 @@ typecheck: $(STAMP)
 
 check: lint typecheck
 
-test: check
+test: check assets
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
 
-demo: $(STAMP)
+demo: $(STAMP) assets
 	$(BIN)/python examples/demo.py
 
 clean:

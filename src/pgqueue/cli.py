@@ -17,6 +17,7 @@ import psycopg
 from . import __version__
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+from .dashboard.cli import dashboard_command
 from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -263,6 +264,7 @@ def worker(
 
 
 main.add_command(schedules_command, "schedules")
+main.add_command(dashboard_command, "dashboard")
 
 if __name__ == "__main__":
     main()
