@@ -17,7 +17,6 @@ import psycopg
 from . import __version__
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
-from .dashboard.cli import dashboard_command
 from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -264,7 +263,21 @@ def worker(
 
 
 main.add_command(schedules_command, "schedules")
-main.add_command(dashboard_command, "dashboard")
+
+try:
+    from .dashboard.cli import dashboard_command
+except ImportError:  # the optional extra is not installed
+
+    @main.command("dashboard", context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def dashboard_command(args: tuple[str, ...]) -> None:
+        """Serve the read-only dashboard (needs `pip install 'pgqueue[dashboard]'`)."""
+        click.echo(
+            "error: the dashboard needs its extra: pip install 'pgqueue[dashboard]'", err=True
+        )
+        sys.exit(1)
+else:
+    main.add_command(dashboard_command, "dashboard")
 
 if __name__ == "__main__":
     main()
