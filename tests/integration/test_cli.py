@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 
 import pgqueue
 from pgqueue.cli import main
+from pgqueue.migrate import available
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
@@ -47,7 +48,9 @@ def test_version_from_a_real_subprocess() -> None:
 
 def test_migrate_then_up_to_date(runner: CliRunner, empty_dsn: str) -> None:
     first = run(runner, "migrate", "--dsn", empty_dsn)
-    assert first.exit_code == 0 and first.output.strip() == "applied migrations: 0001, 0002"
+    assert first.exit_code == 0 and first.output.strip() == "applied migrations: " + ", ".join(
+        f"{m.version:04d}" for m in available()
+    )
     second = run(runner, "migrate", "--dsn", empty_dsn)
     assert second.exit_code == 0 and second.output.strip() == "schema is up to date"
 

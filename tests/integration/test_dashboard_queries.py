@@ -24,7 +24,7 @@ def _read(dsn: str) -> queries.Reading:
 def test_an_empty_database_reads_as_every_empty_state(dsn: str) -> None:
     r = _read(dsn)
     assert r.depth == {} and r.workers == [] and r.running == [] and r.problems == []
-    assert r.feed == [] and r.schedules is None  # no pgqueue_schedules table yet
+    assert r.feed == [] and r.schedules == []
     assert r.throughput["rate"] == 0 and sum(r.throughput["succeeded"]) == 0
     assert r.latency == {"pickup_p50": None, "pickup_p95": None, "run_p50": None, "run_p95": None}
     assert r.depth_samples == [] and r.problem_counts == {"dead": 0, "retrying": 0}
