@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .. import db
+from .. import db, stats
 from ..errors import ConfigurationError
 from .completer import Completer
 from .executor import Executor, Outcome
@@ -30,11 +30,14 @@ from .notifier import KEEPALIVES, Notifier
 from .reaper import Reaper
 from .scheduler import Scheduler
 from .state import ClaimedJob, Held, Phase, WorkerState
+from .statistics import StatsWriter
 
 if TYPE_CHECKING:
     from ..app import App
 
 log = logging.getLogger("pgqueue.worker")
+
+_STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
 
 
 class Worker:
@@ -173,6 +176,8 @@ class Worker:
             f"{name}:listen",
         )
         self.scheduler = Scheduler(self.app, interval=min(self.poll_interval, 1.0))
+        self.recorder = stats.StatsRecorder(self.app.schema, self.id)
+        stats_writer = StatsWriter(pool, self.recorder, self.app.schema)
         services_stop = asyncio.Event()
         await self._register(pool)
         self._install_signals()
@@ -181,6 +186,7 @@ class Worker:
             asyncio.create_task(self.reaper.run(services_stop), name="reaper"),
             asyncio.create_task(self.completer.run(services_stop), name="completer"),
             asyncio.create_task(self.scheduler.run(pool, services_stop), name="scheduler"),
+            asyncio.create_task(stats_writer.run(services_stop), name="stats"),
         ]
         if self.listen:
             services.append(asyncio.create_task(self.notifier.run(services_stop), name="notifier"))
@@ -201,6 +207,7 @@ class Worker:
             services_stop.set()
             await asyncio.gather(*services, return_exceptions=True)
             await self.completer.drain(timeout=10)
+            await stats_writer.final_flush()
             await self._release_unfinished(pool)
             await self._deregister(pool)
         finally:
@@ -372,7 +379,10 @@ class Worker:
                 )
                 if held is None or not held.lost:
                     self._count_stale(outcome.job_id)
+                self.recorder.record(outcome.queue, "lost", None, None)
                 continue
+            kind = _STATS_KIND[outcome.status.value]
+            self.recorder.record(outcome.queue, kind, outcome.pickup_seconds, outcome.run_seconds)
             if outcome.status.value == "succeeded":
                 counters.succeeded += 1
             elif outcome.status.value == "retrying":
