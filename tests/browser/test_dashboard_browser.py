@@ -19,6 +19,7 @@ import uvicorn
 from pgqueue import __version__
 from pgqueue.dashboard.app import create_app
 from tests.dashboard_data import XSS, plant
+from tests.helpers import wait_until
 
 CHROMIUM = os.environ.get("PGQUEUE_CHROMIUM", "/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -86,7 +87,8 @@ def page(browser: Browser, base_url: str) -> Iterator[Page]:
 
 def _open(page: Page, url: str) -> None:
     page.goto(url)
-    page.wait_for_function("Number(document.body.dataset.refresh) > 0", timeout=10_000)
+    # Polled from Python: Playwright's wait_for_function would eval() under the page's CSP.
+    wait_until(lambda: int(page.locator("body").get_attribute("data-refresh") or 0) > 0, 10)
 
 
 def test_empty_database_shows_every_empty_state(page: Page, base_url: str) -> None:
@@ -135,9 +137,7 @@ def test_panels_render_data_and_change_without_reload(
     # Lease left counts down between snapshots.
     lease = page.locator("#running td.lease").first
     before = lease.inner_text()
-    page.wait_for_function(
-        "b => document.querySelector('#running td.lease').textContent !== b", arg=before
-    )
+    wait_until(lambda: lease.inner_text() != before, 10)
 
     # New jobs show up in place: the marker survives, so the page never reloaded.
     page.evaluate("window.__marker = 42")
