@@ -2,7 +2,8 @@
 
 Builds 1,000,000 finished and 100,000 waiting jobs (plus running jobs, workers, an hour of
 per-second stats and schedules) in a scratch database, then runs every panel's statement under
-EXPLAIN ANALYZE and reports planning + execution time per statement and per refresh.
+EXPLAIN ANALYZE, on a session configured like the dashboard's, and reports planning + execution
+time per statement and per refresh (medians), with and without a worker's fresh depth sample.
 
     .venv/bin/python benchmarks/dashboard_queries.py [--dsn postgresql://postgres@127.0.0.1/postgres]
 
@@ -24,7 +25,9 @@ import psycopg
 from psycopg import conninfo, sql
 
 from pgqueue.dashboard import queries
+from pgqueue.dashboard.database import session_options
 from pgqueue.migrate import migrate
+from pgqueue.sql import named
 
 SCRATCH = "pgqueue_bench_dashboard"
 FINISHED = 1_000_000
@@ -69,9 +72,6 @@ BUILD = [
     """INSERT INTO pgqueue_depth (bucket, queue, queued, retrying, running)
        SELECT date_trunc('second', now()) - make_interval(secs => s), 'q' || q, 23750, 1250, 10
        FROM generate_series(0, 3599) s, generate_series(0, 3) q""",
-    """CREATE TABLE IF NOT EXISTS pgqueue_schedules (
-           name text PRIMARY KEY, cron text, task text, queue text, next_run_at timestamptz,
-           last_run_at timestamptz, enabled boolean DEFAULT true, paused boolean DEFAULT false)""",
     """INSERT INTO pgqueue_schedules (name, cron, task, queue, next_run_at, last_run_at)
        SELECT 'schedule_' || g, '*/5 * * * *', 'task_1', 'q1', now() + interval '1 min',
               now() - interval '4 min' FROM generate_series(1, 20) g""",
@@ -83,7 +83,6 @@ def params_for(name: str, job_id: int) -> dict[str, Any] | None:
         "running_jobs": {"limit": queries.LIST_LIMIT},
         "problems": {"limit": queries.LIST_LIMIT},
         "feed": {"limit": queries.FEED_LIMIT},
-        "schedules_table": {"schema": "public"},
         "insert_counter": {"schema": "public"},
         # Steady state: the watermark is a few seconds old.
         "finished_since": {"after": "now"},
@@ -134,31 +133,41 @@ def run(dsn: str, refreshes: int) -> None:
               f"in {time.monotonic() - started:.1f} s")  # fmt: skip
         row = conn.execute("SELECT max(id) FROM pgqueue_jobs WHERE status = 'dead'").fetchone()
         job_id = int(row[0]) if row else 1
+        sample_depth = named("pgqueue", "stats.sql", "public")["sample_depth"]
         statements = queries.statements("public")
         per_statement: dict[str, list[float]] = {name: [] for name in statements}
-        totals = []
-        for _ in range(refreshes):
-            total = 0.0
-            for name, statement in statements.items():
-                ms = explain_ms(conn, statement, params_for(name, job_id))
-                per_statement[name].append(ms)
-                if name != "job_detail":  # fetched on a click, not part of a refresh
-                    total += ms
-            totals.append(total)
+        with_workers, without_workers = [], []
+        # Measured on a session set up exactly like the dashboard's (read-only, no parallel
+        # workers, no JIT).
+        with psycopg.connect(dsn, **session_options(dsn, 5000)) as dashboard:
+            for _ in range(refreshes):
+                conn.execute(sample_depth)  # what a running worker does once a second
+                for name, statement in statements.items():
+                    ms = explain_ms(dashboard, statement, params_for(name, job_id))
+                    per_statement[name].append(ms)
+                refresh = {n: v[-1] for n, v in per_statement.items() if n != "job_detail"}
+                # With a worker running, the fresh depth sample is read and nothing is counted;
+                # with none, the sample query finds nothing and depth_count runs as well.
+                with_workers.append(sum(v for n, v in refresh.items() if n != "depth_count"))
+                without_workers.append(sum(refresh.values()))
         wall = asyncio.run(wall_clock(dsn, refreshes))
     print(f"\n{'statement':<22} {'median ms':>10} {'max ms':>8}")
     for name, values in per_statement.items():
         print(f"{name:<22} {statistics.median(values):>10.2f} {max(values):>8.2f}")
-    print(f"\nDB time of one full refresh (planning + execution, all panels): "
-          f"median {statistics.median(totals):.1f} ms, min {min(totals):.1f}, "
-          f"max {max(totals):.1f} over {refreshes} refreshes")  # fmt: skip
-    print(f"wall clock of queries.read() from Python, round trips included: "
+    print(f"\nDB time of one full refresh (planning + execution of every panel's statements, "
+          f"median of {refreshes}):")  # fmt: skip
+    for label, totals in (("workers running (fresh depth sample)", with_workers),
+                          ("no worker running (depth counted)", without_workers)):  # fmt: skip
+        print(f"  {label:<38} {statistics.median(totals):6.1f} ms  "
+              f"(min {min(totals):.1f}, max {max(totals):.1f})")  # fmt: skip
+    print(f"wall clock of one refresh from Python (queries.read, round trips included): "
           f"median {statistics.median(wall):.1f} ms")  # fmt: skip
 
 
 async def wall_clock(dsn: str, refreshes: int) -> list[float]:
     times = []
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    options = session_options(dsn, 5000)
+    async with await psycopg.AsyncConnection.connect(dsn, **options) as conn:
         for _ in range(refreshes):
             started = time.perf_counter()
             await queries.read(conn, "public")

@@ -17,14 +17,6 @@ WORKER_OK = uuid.UUID("11111111-1111-4111-8111-111111111111")
 WORKER_LATE = uuid.UUID("22222222-2222-4222-8222-222222222222")
 XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=1</script>'
 
-SCHEDULES_DDL = """
-CREATE TABLE IF NOT EXISTS pgqueue_schedules (
-    name text PRIMARY KEY, cron text NOT NULL, task text NOT NULL, queue text NOT NULL,
-    next_run_at timestamptz, last_run_at timestamptz,
-    enabled boolean NOT NULL DEFAULT true, paused boolean NOT NULL DEFAULT false
-)
-"""
-
 
 def plant(conn: psycopg.Connection[Any], *, xss: bool = False) -> None:
     """Jobs in every state, two workers (one late), a minute of stats and depth, schedules."""
@@ -87,7 +79,6 @@ def plant(conn: psycopg.Connection[Any], *, xss: bool = False) -> None:
         " SELECT date_trunc('second', now()) - make_interval(secs => g), 'emails', 20 + g % 7,"
         " 1, 2 FROM generate_series(3, 92) g"
     )
-    conn.execute(SCHEDULES_DDL)
     conn.execute(
         "INSERT INTO pgqueue_schedules (name, cron, task, queue, next_run_at, last_run_at)"
         " VALUES ('nightly-report' || %(e)s, '0 3 * * *', 'build_report', 'reports',"

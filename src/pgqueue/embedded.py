@@ -131,8 +131,12 @@ class EmbeddedPostgres:
         return self
 
     def restart(self, mode: str = "fast") -> None:
-        """Restart in place (``immediate`` simulates a crash)."""
-        self._run("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", "60", "restart")
+        """Restart in place (``immediate`` simulates a crash). The log file matters: without
+        one the new postmaster inherits our output pipes and ``_run`` would wait forever."""
+        self._run(
+            "pg_ctl", "-D", str(self.datadir), "-l", str(self.tmp / "server.log"),
+            "-m", mode, "-w", "-t", "60", "restart",
+        )  # fmt: skip
 
     def stop(self) -> None:
         if self.started:

@@ -5,18 +5,26 @@ from __future__ import annotations
 import base64
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from click.testing import CliRunner
+from psycopg import conninfo, sql
 from starlette.testclient import TestClient
 
 from pgqueue import __version__
 from pgqueue.dashboard.app import create_app
 from pgqueue.dashboard.cli import dashboard_command
+from pgqueue.dashboard.database import Database
+from pgqueue.embedded import EmbeddedPostgres
+from pgqueue.migrate import migrate
 from tests.dashboard_data import plant
+from tests.helpers import ROOT
+
+DOCS = ROOT / "docs" / "dashboard.md"
 
 ROUTES = ["/", "/api/snapshot", "/api/jobs/1", "/events", "/metrics", "/health",
           "/static/dashboard.js", "/nope"]  # fmt: skip
@@ -83,7 +91,7 @@ def test_snapshot_api_reports_known_figures(
     assert snap["tiles"]["waiting"] == 7 and snap["tiles"]["running"] == 2
     assert snap["tiles"]["retries_60s"] >= 58 and snap["tiles"]["failed_60s"] == 1
     assert snap["workers_alive"] == 1 and len(snap["workers"]) == 2
-    assert snap["schedules_available"] is True and len(snap["schedules"]) == 2
+    assert len(snap["schedules"]) == 2 and snap["late_after"] == 15.0
     assert len(snap["throughput"]["t"]) == 120 and "emails" in snap["depth"]["queues"]
 
 
@@ -110,6 +118,9 @@ def test_metrics_expose_depth_finished_latency_and_workers(
     assert "pgqueue_pickup_latency_seconds_bucket" in text
     assert "pgqueue_run_seconds_count" in text
     assert "pgqueue_workers_alive 1.0" in text
+    assert "pgqueue_dashboard_database_up 1.0" in text
+    assert re.search(r"pgqueue_dashboard_refreshes_total [1-9]", text)
+    assert "pgqueue_dashboard_open_pages 0.0" in text
 
 
 def _scrape(client: TestClient) -> str:
@@ -133,7 +144,7 @@ def test_the_refresh_loop_recovers_when_its_backend_is_killed(
     assert after["status"] == "ok"
 
 
-def test_dashboard_sessions_are_read_only(
+def test_one_database_session_serves_the_dashboard(
     client: TestClient, conn: psycopg.Connection[Any]
 ) -> None:
     snapshot(client)
@@ -142,6 +153,101 @@ def test_dashboard_sessions_are_read_only(
         " AND datname = current_database()"
     ).fetchone()
     assert row == (1,)  # one session however many pages are open
+
+
+async def test_dashboard_sessions_are_read_only_and_time_limited(dsn: str) -> None:
+    database = Database(dsn, statement_timeout_ms=300)
+    try:
+        async with database.session() as session:
+            cur = await session.execute("SHOW default_transaction_read_only")
+            assert await cur.fetchone() == ("on",)
+            cur = await session.execute("SHOW statement_timeout")
+            assert await cur.fetchone() == ("300ms",)
+            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+                await session.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                await session.execute("SELECT pg_sleep(5)")
+    finally:
+        await database.close()
+
+
+def test_head_is_served_wherever_get_is(client: TestClient) -> None:
+    snapshot(client)  # /api/snapshot and /health answer 200 once the first refresh is in
+    for route in ("/", "/api/snapshot", "/metrics", "/health", "/static/dashboard.css"):
+        response = client.head(route)
+        assert response.status_code == 200 and response.content == b"", route
+
+
+def test_the_dashboard_works_as_the_documented_select_only_role(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """docs/dashboard.md's role SQL, run as written (with a unique role name)."""
+    role = f"pgqueue_dashboard_{uuid.uuid4().hex[:8]}"
+    block = re.search(r"```sql\n(.*?)\n\s*```", DOCS.read_text("utf-8"), re.DOTALL)
+    assert block is not None, "docs/dashboard.md lost its role SQL"
+    statements = [s.strip() for s in block[1].split(";") if s.strip()]
+    try:
+        for statement in statements:
+            conn.execute(statement.replace("pgqueue_dashboard", role))
+    except psycopg.errors.InsufficientPrivilege:
+        pytest.skip("this test server does not let the test user create roles")
+    try:
+        plant(conn)
+        role_dsn = conninfo.make_conninfo(dsn, user=role, password="change-me")
+        app = create_app(role_dsn, refresh_interval=0.2)
+        with TestClient(app, base_url="http://127.0.0.1") as client:
+            snap = snapshot(client)
+            assert snap["tiles"]["waiting"] == 7 and len(snap["schedules"]) == 2
+            assert len(snap["problems"]) == 2 and len(snap["workers"]) == 2
+            dead = next(p for p in snap["problems"] if p["status"] == "dead")
+            assert client.get(f"/api/jobs/{dead['id']}").json()["last_error"]
+            assert "pgqueue_jobs_finished_total" in client.get("/metrics").text
+        with (
+            psycopg.connect(role_dsn, autocommit=True) as as_role,
+            pytest.raises(psycopg.errors.ReadOnlySqlTransaction),
+        ):
+            as_role.execute("DELETE FROM pgqueue_jobs")
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.mark.slow
+def test_the_dashboard_carries_on_after_a_database_restart() -> None:
+    """A real restart of a cluster of its own (immediate mode: a crash and recovery)."""
+    with EmbeddedPostgres() as cluster:
+        with psycopg.connect(cluster.dsn, autocommit=True) as setup:
+            migrate(setup, "public")
+        app = create_app(cluster.dsn, refresh_interval=0.2)
+        with TestClient(app, base_url="http://127.0.0.1") as client:
+            before = snapshot(client)
+            pid_before = _dashboard_backend(cluster.dsn)
+            cluster.restart("immediate")
+            with psycopg.connect(cluster.dsn, autocommit=True) as after_restart:
+                after_restart.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
+            after = wait_for(
+                lambda: (s := snapshot(client, before["refresh"]))["tiles"]["waiting"] == 1 and s
+            )
+            assert after["status"] == "ok"
+            assert client.get("/health").status_code == 200
+            assert _dashboard_backend(cluster.dsn) not in (None, pid_before)
+
+
+def _dashboard_backend(dsn: str) -> int | None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'pgqueue-dashboard'"
+        ).fetchone()
+    return int(row[0]) if row else None
+
+
+def test_missing_tables_are_reported_as_such(empty_dsn: str) -> None:
+    app = create_app(empty_dsn, refresh_interval=0.2)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        body = wait_for(lambda: client.get("/api/snapshot").json().get("error"))
+        assert "run `pgqueue migrate`" in body
+        assert client.get("/health").status_code == 503
+        assert "pgqueue_dashboard_refresh_failures_total" in client.get("/metrics").text
 
 
 def test_unknown_host_header_is_refused(client: TestClient) -> None:
@@ -169,3 +275,10 @@ def test_cli_refuses_a_public_bind_without_auth(dsn: str) -> None:
     assert result.exit_code == 2 and "without authentication" in result.output
     result = CliRunner().invoke(dashboard_command, ["--dsn", dsn, "--username", "admin"])
     assert result.exit_code == 2 and "both" in result.output
+
+
+def test_cli_refuses_nonsense_intervals(dsn: str) -> None:
+    for option in ("--refresh", "--late-after"):
+        result = CliRunner().invoke(dashboard_command, ["--dsn", dsn, option, "0"])
+        assert result.exit_code == 2 and "positive number of seconds" in result.output
+        assert "Traceback" not in result.output

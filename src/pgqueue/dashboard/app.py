@@ -47,8 +47,10 @@ def create_app(
     """The dashboard app. ``allowed_hosts`` defaults to loopback names (a guard against DNS
     rebinding); ``late_heartbeat_seconds`` is when a worker's heartbeat counts as late."""
     schema = validate_schema(schema)
-    if refresh_interval <= 0:
-        raise ValueError("refresh_interval must be positive")
+    if not refresh_interval > 0:
+        raise ValueError("the refresh interval must be a positive number of seconds")
+    if not late_heartbeat_seconds > 0:
+        raise ValueError("the late-heartbeat threshold must be a positive number of seconds")
     database = Database(dsn, statement_timeout_ms=statement_timeout_ms)
     refresher = Refresher(
         database, schema, interval=refresh_interval, late_after=late_heartbeat_seconds
@@ -162,6 +164,7 @@ def serve(
     allow_public: bool = False,
     allowed_hosts: Sequence[str] | None = None,
     refresh_interval: float = 1.0,
+    late_heartbeat_seconds: float = 15.0,
     log_level: str = "info",
 ) -> None:
     """Run the dashboard with uvicorn. A non-loopback bind without auth is refused unless
@@ -178,7 +181,7 @@ def serve(
         allowed_hosts = ["*"]  # names are unknown; auth (or the proxy in front) is the guard
     app = create_app(
         dsn, schema, refresh_interval=refresh_interval, basic_auth=basic_auth,
-        allowed_hosts=allowed_hosts,
+        allowed_hosts=allowed_hosts, late_heartbeat_seconds=late_heartbeat_seconds,
     )  # fmt: skip
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
 

@@ -27,6 +27,11 @@ from .app import PublicBindError, serve
 )  # fmt: skip
 @click.option("--allowed-host", "allowed_hosts", multiple=True, help="Host header to accept.")
 @click.option("--refresh", default=1.0, show_default=True, type=float, help="Seconds.")
+@click.option(
+    "--late-after", default=15.0, show_default=True, type=float,
+    help="Seconds without a heartbeat before a worker shows as late; keep it above the "
+    "workers' heartbeat interval (lease / 3 by default, 10 s).",
+)  # fmt: skip
 def dashboard_command(
     host: str,
     port: int,
@@ -37,6 +42,7 @@ def dashboard_command(
     allow_public: bool,
     allowed_hosts: tuple[str, ...],
     refresh: float,
+    late_after: float,
 ) -> None:
     """Serve the read-only live dashboard."""
     if bool(username) != bool(password):
@@ -50,6 +56,7 @@ def dashboard_command(
         serve(
             resolved, schema, host, port, basic_auth=auth, allow_public=allow_public,
             allowed_hosts=list(allowed_hosts) or None, refresh_interval=refresh,
+            late_heartbeat_seconds=late_after,
         )  # fmt: skip
     except (PublicBindError, ConfigurationError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None

@@ -46,6 +46,7 @@ class DashboardCollector(Collector):
         )
         up.add_metric([], 1.0 if snap is not None and self.refresher.healthy else 0.0)
         yield up
+        yield from self._dashboard()
         if snap is None:
             return
         depth = GaugeMetricFamily(
@@ -82,6 +83,31 @@ class DashboardCollector(Collector):
         registered = GaugeMetricFamily("pgqueue_workers", "Registered workers, late ones included.")
         registered.add_metric([], float(len(snap.get("workers", []))))
         yield registered
+
+    def _dashboard(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The dashboard's own cost: one refresh per interval, however many pages are open."""
+        r = self.refresher
+        refreshes = CounterMetricFamily(
+            "pgqueue_dashboard_refreshes", "Refreshes of every panel (one database read each)."
+        )
+        refreshes.add_metric([], float(r.refreshes))
+        yield refreshes
+        failures = CounterMetricFamily(
+            "pgqueue_dashboard_refresh_failures", "Refreshes that could not read the database."
+        )
+        failures.add_metric([], float(r.failures))
+        yield failures
+        pages = GaugeMetricFamily(
+            "pgqueue_dashboard_open_pages", "Pages receiving the live stream right now."
+        )
+        pages.add_metric([], float(r.broadcaster.listeners))
+        yield pages
+        if r.last_duration is not None:
+            duration = GaugeMetricFamily(
+                "pgqueue_dashboard_refresh_seconds", "Wall time of the last refresh's queries."
+            )
+            duration.add_metric([], r.last_duration)
+            yield duration
 
 
 def registry_for(refresher: Refresher) -> CollectorRegistry:

@@ -31,7 +31,7 @@ class Reading:
     problems: list[dict[str, Any]]
     problem_counts: dict[str, int]
     feed: list[dict[str, Any]]
-    schedules: list[dict[str, Any]] | None
+    schedules: list[dict[str, Any]]
     inserts_total: int | None
 
 
@@ -77,13 +77,11 @@ async def read(
             {"id": r[0], "task": r[1], "queue": r[2], "event": r[3], "at": r[4], "attempt": r[5]}
             for r in await _all(conn, q["feed"], {"limit": FEED_LIMIT})
         ]
-        schedules: list[dict[str, Any]] | None = None
-        if (await _all(conn, q["schedules_table"], {"schema": schema}))[0][0]:
-            schedules = [
-                {"name": r[0], "cron": r[1], "task": r[2], "queue": r[3], "next_run": r[4],
-                 "last_run": r[5], "enabled": r[6], "paused": r[7]}
-                for r in await _all(conn, q["schedules"])
-            ]  # fmt: skip
+        schedules = [
+            {"name": r[0], "cron": r[1], "task": r[2], "queue": r[3], "next_run": r[4],
+             "last_run": r[5], "enabled": r[6], "paused": r[7]}
+            for r in await _all(conn, q["schedules"])
+        ]  # fmt: skip
         counter = await _all(conn, q["insert_counter"], {"schema": schema})
     return Reading(
         now=now,

@@ -135,11 +135,8 @@ SELECT * FROM (
 ORDER BY at DESC, id DESC
 LIMIT %(limit)s
 
--- name: schedules_table
--- The schedules table arrives with migration 0002; until then the panel reads "No schedules".
-SELECT to_regclass(format('%%I.pgqueue_schedules', %(schema)s::text)) IS NOT NULL
-
 -- name: schedules
+-- A few rows (one per declared schedule), ordered by name for a stable table.
 SELECT name, cron, task, queue,
        extract(epoch FROM next_run_at - now())::float8,
        extract(epoch FROM last_run_at - now())::float8,

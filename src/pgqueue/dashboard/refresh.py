@@ -62,11 +62,16 @@ class Refresher:
         self.late_after = late_after
         self.broadcaster = Broadcaster()
         self.refreshes = 0
+        #: Refreshes that failed (database down, tables missing): /metrics counts them.
+        self.failures = 0
+        #: Wall time of the last successful refresh's queries, round trips included.
+        self.last_duration: float | None = None
         self.snapshot: dict[str, Any] | None = None
         self.totals = Totals()
         self._observed: deque[tuple[int, dict[str, int]]] = deque(maxlen=figures.WINDOW + 5)
         self._inserts: tuple[float, int] | None = None
         self._insert_rate: float | None = None
+        self._down_reason: str | None = None
         #: False while the database is unreachable (the last snapshot is then stale).
         self.healthy = False
 
@@ -76,6 +81,8 @@ class Refresher:
             started = time.monotonic()
             try:
                 await self.refresh_once()
+            except psycopg.errors.UndefinedTable as exc:
+                await self._publish_down(exc, "pgqueue's tables are missing: run `pgqueue migrate`")
             except (psycopg.Error, OSError) as exc:
                 await self._publish_down(exc)
             except Exception as exc:  # a bug must not stop the loop for every open page
@@ -85,14 +92,19 @@ class Refresher:
             await asyncio.sleep(max(self.interval - elapsed, 0.05))
 
     async def refresh_once(self) -> dict[str, Any]:
+        started = time.perf_counter()
         async with self.database.session() as conn:
             reading = await queries.read(conn, self.schema, late_after=self.late_after)
             # Cheap: after the first read it covers only the seconds settled since the last.
             until, rows = await queries.finished_since(conn, self.schema, self.totals.watermark)
             self.totals.add(rows)
             self.totals.watermark = until
+        self.last_duration = time.perf_counter() - started
         self.refreshes += 1
         self.healthy = True
+        if self._down_reason is not None:
+            log.warning("dashboard reads the database again")
+            self._down_reason = None
         snapshot = self._build(reading)
         self.snapshot = snapshot
         await self.broadcaster.publish(json.dumps(snapshot, separators=(",", ":")).encode())
@@ -118,6 +130,8 @@ class Refresher:
             "now": r.now,
             "refresh": self.refreshes,
             "interval": self.interval,
+            "late_after": self.late_after,
+            "refresh_ms": round(self.last_duration * 1000, 1) if self.last_duration else None,
             "tiles": {
                 "throughput": tput["rate"],
                 **r.latency,
@@ -137,8 +151,7 @@ class Refresher:
             "problems": r.problems,
             "problem_counts": r.problem_counts,
             "feed": r.feed,
-            "schedules": r.schedules or [],
-            "schedules_available": r.schedules is not None,
+            "schedules": r.schedules,
             "rates": {
                 "insert": self._insert_rate,
                 "claim": tput["rate"],
@@ -146,10 +159,16 @@ class Refresher:
             },
         }
 
-    async def _publish_down(self, exc: BaseException) -> None:
+    async def _publish_down(self, exc: BaseException, reason: str | None = None) -> None:
+        """Keep the last figures on every page, marked stale, with the reason; log once."""
         self.healthy = False
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("dashboard cannot read the database: %s", reason)
+        self.failures += 1
+        if reason is None:
+            text = str(exc).strip()
+            reason = text.splitlines()[0] if text else type(exc).__name__
+        if reason != self._down_reason:
+            log.warning("dashboard cannot read the database: %s", reason)
+            self._down_reason = reason
         base = dict(self.snapshot) if self.snapshot else {"version": __version__}
         base.update({"status": "reconnecting", "error": reason})
         await self.broadcaster.publish(json.dumps(base, separators=(",", ":")).encode())

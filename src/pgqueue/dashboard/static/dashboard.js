@@ -36,18 +36,30 @@
   function setText(id, text) { const node = $(id); if (node.textContent !== text) node.textContent = text; }
 
   // --- connection state ------------------------------------------------------------------
-  function setConn(kind, text) {
+  function setConn(kind, text, reason) {
     const conn = $("conn");
     conn.dataset.state = kind;
     $("conn-text").textContent = text;
     document.body.classList.toggle("stale", kind === "reconnecting");
+    $("banner").hidden = kind !== "reconnecting" || !reason;
+    if (reason) setText("banner-text", reason);
   }
 
   // --- tiles -----------------------------------------------------------------------------
+  // p50 large, p95 beside it smaller: both fit a narrow tile.
+  function setPair(id, a, b) {
+    const text = pair(a, b);
+    const node = $(id);
+    if (node.dataset.text === text) return;
+    node.dataset.text = text;
+    if (a === null || a === undefined) { node.textContent = "–"; return; }
+    node.replaceChildren(el("span", "", fmtSeconds(a)), el("span", "p95", " / " + fmtSeconds(b)));
+  }
+
   function renderTiles(t) {
     setText("t-throughput", fmtRate(t.throughput));
-    setText("t-pickup", pair(t.pickup_p50, t.pickup_p95));
-    setText("t-run", pair(t.run_p50, t.run_p95));
+    setPair("t-pickup", t.pickup_p50, t.pickup_p95);
+    setPair("t-run", t.run_p50, t.run_p95);
     setText("t-waiting", fmtInt(t.waiting));
     setText("t-running", fmtInt(t.running));
     setText("t-retries", fmtInt(t.retries_60s));
@@ -61,10 +73,8 @@
   function axes() {
     const ink = cssVar("--muted"), grid = cssVar("--line");
     const common = { stroke: ink, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 } };
-    return [
-      Object.assign({}, common, { values: (u, ticks) => ticks.map((v) => new Date(v * 1000).toISOString().slice(11, 19)) }),
-      Object.assign({}, common, { size: 44 }),
-    ];
+    const clock = (u, ticks) => ticks.map((v) => new Date(v * 1000).toLocaleTimeString([], { hour12: false }));
+    return [Object.assign({}, common, { values: clock, space: 70 }), Object.assign({}, common, { size: 48 })];
   }
 
   function renderThroughput(tp) {
@@ -76,7 +86,7 @@
       const ok = cssVar("--ok"), bad = cssVar("--bad");
       state.charts.tp = new window.uPlot(Object.assign(chartSize(node), {
         legend: { show: false }, cursor: { drag: { x: false, y: false } },
-        scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
+        scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
         axes: axes(),
         series: [{}, { label: "failed / dead", stroke: bad, fill: bad + "cc", width: 1, points: { show: false } },
                  { label: "succeeded", stroke: ok, fill: ok + "cc", width: 1, points: { show: false } }],
@@ -104,7 +114,7 @@
       const node = $("chart-depth");
       state.charts.depth = new window.uPlot(Object.assign(chartSize(node), {
         legend: { show: false }, cursor: { drag: { x: false, y: false } },
-        scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
+        scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
         axes: axes(),
         series: [{}, ...names.map((n, i) => ({ label: n, stroke: cssVar(QUEUE_COLOURS[i % 6]), width: 2, points: { show: false } }))],
       }), data, node);
@@ -114,20 +124,33 @@
   }
 
   // --- lists -----------------------------------------------------------------------------
-  function renderWorkers(workers) {
+  function renderWorkers(workers, lateAfter) {
     $("workers-empty").hidden = workers.length > 0;
     $("workers").replaceChildren(...workers.map((w) => {
       const li = el("li", w.late ? "late" : "");
       li.dataset.heartbeat = String(w.heartbeat_age);
-      li.append(el("span", "beat"), el("span", "who", w.host + " · pid " + w.pid));
+      const who = el("span", "who", w.host + " · pid " + w.pid);
+      if (w.late) {
+        const pill = el("span", "pill late", "late");
+        pill.title = "No heartbeat for more than " + fmtSeconds(lateAfter) + ": stalled, partitioned or gone. Its leases expire and the reaper recovers its jobs.";
+        who.append(" ", pill);
+      }
       const hb = el("span", "hb", "");
       hb.dataset.age = String(w.heartbeat_age);
-      li.append(hb);
+      const meter = el("span", "meter");
+      const fill = el("span", "fill");
+      fill.dataset.width = String(Math.min(100, Math.round(100 * w.leases / Math.max(w.concurrency, 1))));
+      meter.append(fill);
+      meter.title = w.leases + " of " + w.concurrency + " slots hold a lease";
+      const leases = el("span", "leases", w.leases + " / " + w.concurrency + " leases");
       const queues = w.queues && w.queues.length ? w.queues.join(", ") : "all queues";
-      li.append(el("span", "meta", shortId(w.id) + " · " + w.leases + " / " + w.concurrency + " leases held · " + queues +
-        " · up " + fmtSeconds(w.uptime) + (w.stale_writes ? " · " + w.stale_writes + " stale writes refused" : "")));
+      const meta = el("span", "meta", shortId(w.id) + " · " + queues + " · up " + fmtSeconds(w.uptime) +
+        (w.stale_writes ? " · " + w.stale_writes + " stale writes refused" : ""));
+      li.append(el("span", "beat"), who, hb, meter, leases, meta);
       return li;
     }));
+    // Widths go through the CSSOM (allowed by the CSP), never through inline style attributes.
+    for (const fill of document.querySelectorAll(".workers .fill")) fill.style.width = fill.dataset.width + "%";
   }
 
   function renderFeed(feed) {
@@ -218,7 +241,13 @@
     const r = snap.rates || {};
     setText("rate-insert", r.insert === null || r.insert === undefined ? "" : fmtRate(r.insert) + " jobs/s");
     setText("rate-claim", r.claim === null || r.claim === undefined ? "" : fmtRate(r.claim) + " jobs/s");
-    setText("rate-heartbeat", r.heartbeat_workers ? r.heartbeat_workers + " live workers" : "");
+    const alive = r.heartbeat_workers || 0;
+    setText("rate-heartbeat", alive ? alive + (alive === 1 ? " live worker" : " live workers") : "");
+    // Arrows with traffic flow; idle ones stay still.
+    $("edge-insert").classList.toggle("active", r.insert > 0);
+    $("edge-notify").classList.toggle("active", r.insert > 0 && alive > 0);
+    $("edge-claim").classList.toggle("active", r.claim > 0);
+    $("edge-heartbeat").classList.toggle("active", alive > 0);
   }
 
   // Lease left and running-for move every 250 ms between snapshots, from the server's figures.
@@ -239,17 +268,18 @@
 
   function render(snap) {
     if (snap.status !== "ok") {
-      setConn("reconnecting", "reconnecting to the database…");
+      setConn("reconnecting", "reconnecting to the database…", snap.error);
       return;
     }
     setConn("live", "live");
+    setText("conn-cost", snap.refresh_ms === null || snap.refresh_ms === undefined ? "" : "read in " + fmtSeconds(snap.refresh_ms / 1000));
     state.snap = snap;
     state.receivedAt = performance.now();
     document.body.dataset.refresh = String(snap.refresh);
     renderTiles(snap.tiles);
     renderThroughput(snap.throughput);
     renderDepth(snap.depth);
-    renderWorkers(snap.workers);
+    renderWorkers(snap.workers, snap.late_after);
     renderFeed(snap.feed);
     renderRunning(snap.running);
     renderProblems(snap.problems, snap.problem_counts);
@@ -261,7 +291,8 @@
   function connect() {
     const source = new EventSource("events");
     source.onmessage = (event) => { try { render(JSON.parse(event.data)); } catch (err) { console.error(err); } };
-    source.onerror = () => { setConn("reconnecting", "reconnecting…"); };
+    // EventSource reconnects by itself (the server asks for 2 s); the page is never reloaded.
+    source.onerror = () => { setConn("reconnecting", "reconnecting to the dashboard…"); };
   }
 
   window.addEventListener("resize", () => {
