@@ -19,3 +19,8 @@ $(VENDOR)/%: node_modules/.package-lock.json
 
 clean-assets:
 	rm -rf node_modules $(VENDOR)
+
+# The README's screenshot, from a live system (throwaway PostgreSQL, real workers, Chromium).
+.PHONY: screenshot
+screenshot: $(STAMP) assets
+	$(BIN)/python scripts/dashboard_screenshot.py --out docs/img/dashboard.png

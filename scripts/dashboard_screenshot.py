@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import uvicorn
 from playwright.async_api import async_playwright
 
@@ -49,9 +50,13 @@ async def send_email(to: str, template: str) -> None:
 @app.task(queue="reports", max_attempts=3, timeout=60)
 def build_report(account: int, month: str) -> dict[str, int]:
     time.sleep(random.uniform(1.5, 9.0))
-    if random.random() < 0.12:
-        raise RuntimeError(f"warehouse query timed out after 30 s (account {account})")
-    return {"rows": account * 17}
+    return {"rows": query_warehouse(account, month)}
+
+
+def query_warehouse(account: int, month: str) -> int:
+    if random.random() < 0.3:
+        raise RuntimeError(f"warehouse query for {month} timed out after 30 s (account {account})")
+    return account * 17
 
 
 @app.task(queue="billing", max_attempts=4)
@@ -59,7 +64,7 @@ async def charge_card(invoice: str, cents: int) -> None:
     await asyncio.sleep(random.uniform(0.05, 0.4))
     if cents % 97 == 0:
         raise pgqueue.Fail(f"card declined for invoice {invoice}: insufficient funds")
-    if cents % 13 == 0:
+    if random.random() < 0.08:
         raise pgqueue.Retry(after=20, reason="payment provider rate limit (429)")
 
 
@@ -109,7 +114,7 @@ async def produce(started: float) -> None:
             await deliver_webhook.enqueue_async(
                 url=f"https://{partner}.example.net/hooks", event="order.paid"
             )
-        if random.random() < 0.08:
+        if random.random() < 0.15:
             await build_report.enqueue_async(account=next(accounts), month="2025-11")
         if not burst_done and t > 45:
             burst_done = True
@@ -129,7 +134,7 @@ def workers(dsn: str) -> Iterator[list[subprocess.Popen[bytes]]]:
         ["--concurrency", "12"],
         ["--concurrency", "8", "--queues", "emails,webhooks,billing"],
         ["--concurrency", "4", "--queues", "reports,maintenance"],
-        ["--concurrency", "4", "--queues", "reports,webhooks"],  # the one that stalls
+        ["--concurrency", "4", "--queues", "reports"],  # the one that stalls
     ]
     env = {**os.environ, "PGQUEUE_DSN": dsn, "PYTHONPATH": str(ROOT)}
     procs = [
@@ -183,7 +188,7 @@ async def main(
             # One worker is frozen (SIGSTOP) near the end, as a stuck process would be: its
             # heartbeat goes late and its leases count down while the others carry on.
             await asyncio.sleep(max(seconds - STALL_SECONDS, 0))
-            os.kill(procs[-1].pid, signal.SIGSTOP)
+            await freeze_while_busy(dsn, procs[-1])
             await asyncio.sleep(min(STALL_SECONDS, seconds))
             if any(p.poll() is not None for p in procs):
                 raise SystemExit("a worker exited early: run it by hand to see why")
@@ -196,6 +201,24 @@ async def main(
         await app.aclose()
 
 
+async def freeze_while_busy(dsn: str, proc: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP the worker once it holds a lease (at most 20 s later), so the picture shows
+    leases running down under a late heartbeat."""
+    deadline = time.monotonic() + 20
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            cur = await conn.execute(
+                "SELECT count(*) FROM pgqueue_jobs j JOIN pgqueue_workers w ON w.id = j.worker_id"
+                " WHERE w.pid = %s AND j.status = 'running'",
+                (proc.pid,),
+            )
+            row = await cur.fetchone()
+            if row and row[0]:
+                break
+            await asyncio.sleep(0.2)
+    os.kill(proc.pid, signal.SIGSTOP)
+
+
 async def screenshot(url: str, out: Path, width: int, height: int, full_page: bool) -> None:
     async with async_playwright() as p:
         browser = await p.chromium.launch(
@@ -206,7 +229,7 @@ async def screenshot(url: str, out: Path, width: int, height: int, full_page: bo
         await page.locator("#conn[data-state='live']").wait_for(timeout=20_000)
         await page.wait_for_timeout(1500)  # a couple of pushes: the feed and charts settle
         # An open error shows that a job's whole traceback is readable.
-        summary = page.locator("#problems tr:has(.pill.dead) details summary").first
+        summary = page.locator("#problems details summary", has_text="RuntimeError").first
         if await summary.count():
             await summary.click()
             await page.locator("#problems details[open] pre").first.wait_for()
@@ -221,7 +244,7 @@ def cli() -> None:
     parser.add_argument("--seconds", type=float, default=125.0)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "dashboard.png")
     parser.add_argument("--width", type=int, default=1440)
-    parser.add_argument("--height", type=int, default=1500)
+    parser.add_argument("--height", type=int, default=1800)
     parser.add_argument("--full-page", action="store_true", help="the whole page, not the top")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,18 +6,24 @@ Skipped only when Debian's chromium is missing (CI installs it with apt-get).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
 import uvicorn
+from psycopg import conninfo, sql
+from starlette.applications import Starlette
 
 from pgqueue import __version__
 from pgqueue.dashboard.app import create_app
+from pgqueue.dashboard.refresh import Refresher
+from tests.conftest import Server
 from tests.dashboard_data import XSS, plant
 from tests.helpers import wait_until
 
@@ -47,8 +53,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Served:
+    url: str
+    app: Starlette
+
+    @property
+    def refresher(self) -> Refresher:
+        refresher: Refresher = self.app.state.refresher
+        return refresher
+
+
 @pytest.fixture
-def base_url(dsn: str) -> Iterator[str]:
+def served(dsn: str) -> Iterator[Served]:
     port = _free_port()
     app = create_app(dsn, refresh_interval=0.3)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -60,9 +77,14 @@ def base_url(dsn: str) -> Iterator[str]:
     while not server.started:
         assert time.monotonic() < deadline, "dashboard did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
+    yield Served(f"http://127.0.0.1:{port}", app)
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture
+def base_url(served: Served) -> str:
+    return served.url
 
 
 @pytest.fixture
@@ -85,10 +107,14 @@ def page(browser: Browser, base_url: str) -> Iterator[Page]:
     assert found == [], found  # no CSP violations, script errors or alert() calls
 
 
+def _refresh(page: Page) -> int:
+    return int(page.locator("body").get_attribute("data-refresh") or 0)
+
+
 def _open(page: Page, url: str) -> None:
     page.goto(url)
     # Polled from Python: Playwright's wait_for_function would eval() under the page's CSP.
-    wait_until(lambda: int(page.locator("body").get_attribute("data-refresh") or 0) > 0, 10)
+    wait_until(lambda: _refresh(page) > 0, 10)
 
 
 def test_empty_database_shows_every_empty_state(page: Page, base_url: str) -> None:
@@ -100,6 +126,9 @@ def test_empty_database_shows_every_empty_state(page: Page, base_url: str) -> No
         expect(page.get_by_text(text, exact=True)).to_be_visible()
     expect(page.locator("#t-waiting")).to_have_text("0")
     expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator("#banner")).to_be_hidden()
+    for tile in ("#t-throughput", "#t-pickup", "#t-run", "#t-retries", "#t-failed"):
+        expect(page.locator(tile)).not_to_have_text("")
     how = page.locator("#p-how")
     for text in ["SKIP LOCKED claiming", "Leases and crash recovery", "LISTEN / NOTIFY",
                  "Retries and dead letters", "1 · INSERT", "2 · NOTIFY", "3 · SKIP LOCKED",
@@ -121,6 +150,8 @@ def test_panels_render_data_and_change_without_reload(
     expect(page.locator("#workers li")).to_have_count(2)
     expect(page.locator("#workers li.late")).to_have_count(1)
     expect(page.locator("#workers li.late")).to_contain_text("web-2")
+    expect(page.locator("#workers li.late .pill.late")).to_have_text("late")
+    expect(page.locator("#workers li:not(.late) .pill")).to_have_count(0)
     expect(page.locator("#running tr")).to_have_count(2)
     expect(page.locator("#problems tr")).to_have_count(2)
     expect(page.locator("#schedules tr")).to_have_count(2)
@@ -129,6 +160,11 @@ def test_panels_render_data_and_change_without_reload(
     expect(page.locator("#chart-throughput canvas")).to_have_count(1)
     expect(page.locator("#chart-depth canvas")).to_have_count(1)
     expect(page.locator("#depth-empty")).to_be_hidden()
+
+    # Live rates on the diagram's arrows (60 planted seconds of 11 finished attempts each).
+    expect(page.locator("#rate-claim")).to_have_text(re.compile(r"^\d+(\.\d+)? jobs/s$"))
+    expect(page.locator("#rate-heartbeat")).to_have_text("1 live worker")
+    expect(page.locator("#t-pickup .p95")).to_contain_text("ms")
 
     # The full error is one click away.
     page.locator("#problems details summary").first.click()
@@ -173,3 +209,62 @@ def test_writes_are_refused_and_the_csp_is_strict(page: Page, base_url: str) -> 
     for method in ("post", "put", "delete", "patch"):
         assert getattr(page.request, method)(base_url + "/").status == 405
     assert page.request.post(base_url + "/api/snapshot").status == 405
+
+
+def test_every_open_tab_gets_the_same_refresh_and_costs_nothing(
+    browser: Browser, served: Served
+) -> None:
+    """Ten tabs, one refresh per interval: the database work does not grow with the tabs."""
+    refresher, tabs = served.refresher, 10
+    # One context per tab: Chromium allows six connections per host and profile, and every
+    # tab holds its event stream open.
+    contexts = [browser.new_context() for _ in range(tabs)]
+    try:
+        pages = [context.new_page() for context in contexts]
+        for page in pages:
+            _open(page, served.url)
+        wait_until(lambda: refresher.broadcaster.listeners == tabs, 10)
+        uses, refreshes, started = refresher.database.uses, refresher.refreshes, time.monotonic()
+        target = refreshes + 4
+        wait_until(lambda: all(_refresh(page) >= target for page in pages), 20)
+        elapsed = time.monotonic() - started
+        new_refreshes = refresher.refreshes - refreshes
+        new_uses = refresher.database.uses - uses
+        # Every database session the dashboard opened was a refresh (one may be in flight),
+        # and refreshes kept to the interval however many tabs listened.
+        assert abs(new_uses - new_refreshes) <= 1, (new_uses, new_refreshes)
+        assert new_refreshes <= elapsed / refresher.interval + 2, (new_refreshes, elapsed)
+        metrics = pages[0].request.get(served.url + "/metrics").text()
+        assert f"pgqueue_dashboard_open_pages {tabs}.0" in metrics
+    finally:
+        for context in contexts:
+            context.close()
+    wait_until(lambda: refresher.broadcaster.listeners == 0, 10)
+
+
+def test_the_page_rides_out_a_database_outage_without_reloading(
+    page: Page, base_url: str, conn: psycopg.Connection[Any], dsn: str, pg_server: Server
+) -> None:
+    """The dashboard's backend is killed and no new connection is allowed for a while."""
+    _open(page, base_url)
+    page.evaluate("window.__marker = 7")
+    database = sql.Identifier(str(conninfo.conninfo_to_dict(dsn)["dbname"]))
+    admin = psycopg.connect(pg_server.admin_dsn, autocommit=True)
+    admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+    try:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'pgqueue-dashboard' AND datname = current_database()"
+        )
+        expect(page.locator("#conn")).to_have_attribute("data-state", "reconnecting")
+        expect(page.locator("#banner")).to_be_visible()
+        expect(page.locator("#banner-text")).to_contain_text("not currently accepting connections")
+        expect(page.locator("body")).to_have_class("stale")
+    finally:
+        admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        admin.close()
+    conn.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('emails', 'after_outage')")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator("#banner")).to_be_hidden()
+    expect(page.locator("#feed")).to_contain_text("after_outage")
+    assert page.evaluate("window.__marker") == 7

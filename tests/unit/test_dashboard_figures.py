@@ -16,13 +16,16 @@ from pgqueue.dashboard.security import credentials_match
 
 def test_throughput_series_covers_two_minutes_and_splits_failures() -> None:
     end = 1000
-    rows = [(end - 1, 4, 1, 0, 0), (end - 5, 6, 0, 2, 1), (end - 200, 99, 0, 0, 0)]
+    rows = [(end - 3, 4, 1, 0, 0), (end - 5, 6, 0, 2, 1), (end - 200, 99, 0, 0, 0),
+            (end, 7, 1, 0, 0)]  # fmt: skip
     tp = figures.throughput(rows, end)
     assert tp["t"][0] == end - 119 and tp["t"][-1] == end and len(tp["t"]) == 120
-    assert tp["succeeded"][-2] == 4 and tp["failed"][-2] == 1
+    assert tp["succeeded"][-4] == 4 and tp["failed"][-4] == 1
     assert tp["succeeded"][-6] == 6 and tp["failed"][-6] == 2
-    assert sum(tp["succeeded"]) == 10  # the row outside the window is ignored
-    assert tp["retries_60s"] == 1 and tp["failed_60s"] == 2
+    # The unsettled last two seconds are gaps on the chart, not zeros.
+    assert tp["succeeded"][-2:] == [None, None] and tp["failed"][-2:] == [None, None]
+    assert sum(v or 0 for v in tp["succeeded"]) == 10  # the row outside the window is ignored
+    assert tp["retries_60s"] == 2 and tp["failed_60s"] == 2
 
 
 def test_throughput_rate_averages_the_settled_ten_seconds() -> None:
@@ -59,6 +62,17 @@ def test_depth_counts_key_statuses_by_queue() -> None:
         "a": {"queued": 3, "retrying": 0, "running": 1},
         "b": {"queued": 0, "retrying": 2, "running": 0},
     }
+
+
+def test_running_counts_are_replaced_by_live_ones() -> None:
+    sampled = {
+        "a": {"queued": 3, "retrying": 0, "running": 5},
+        "b": {"queued": 0, "retrying": 0, "running": 1},
+    }
+    assert figures.with_running(sampled, [("a", 2), ("c", 4)]) == {
+        "a": {"queued": 3, "retrying": 0, "running": 2},
+        "c": {"queued": 0, "retrying": 0, "running": 4},
+    }  # b ran its last job since the sample: gone
 
 
 def test_a_worker_is_late_past_the_threshold() -> None:

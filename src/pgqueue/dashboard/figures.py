@@ -24,11 +24,14 @@ def seconds(end: int, window: int = WINDOW) -> list[int]:
 
 
 def throughput(rows: Iterable[Sequence[Any]], end: int) -> dict[str, Any]:
-    """Per-second finished attempts: succeeded, and failed (retried + dead) stacked on it."""
+    """Per-second finished attempts: succeeded, and failed (retried + dead) stacked on it. The
+    retry and failure tiles count every second of the last 60, unsettled ones included."""
     by_second = {int(r[0]): (int(r[1]), int(r[2]) + int(r[3]), int(r[2]), int(r[3])) for r in rows}
     xs = seconds(end)
-    succeeded = [by_second.get(t, (0, 0, 0, 0))[0] for t in xs]
-    failed = [by_second.get(t, (0, 0, 0, 0))[1] for t in xs]
+    # Unsettled seconds are None (a gap on the chart), not a misleading drop to zero.
+    settled_end = end - SETTLE
+    succeeded = [by_second.get(t, (0, 0, 0, 0))[0] if t <= settled_end else None for t in xs]
+    failed = [by_second.get(t, (0, 0, 0, 0))[1] if t <= settled_end else None for t in xs]
     last60 = [by_second[t] for t in xs[-60:] if t in by_second]
     settled = xs[-RATE_WINDOW - SETTLE : -SETTLE]
     finished = sum(by_second.get(t, (0, 0, 0, 0))[0] + by_second.get(t, (0, 0, 0, 0))[1]
@@ -65,6 +68,18 @@ def depth_counts(rows: Iterable[Sequence[Any]]) -> dict[str, dict[str, int]]:
         str(queue): {"queued": int(queued), "retrying": int(retrying), "running": int(running)}
         for queue, queued, retrying, running in rows
     }
+
+
+def with_running(
+    depth: dict[str, dict[str, int]], running: Iterable[Sequence[Any]]
+) -> dict[str, dict[str, int]]:
+    """Replace the sampled running counts with live (queue, count) rows; queues that only run
+    jobs appear, queues with nothing left disappear."""
+    live = {str(queue): int(count) for queue, count in running}
+    merged = {q: {**c, "running": live.get(q, 0)} for q, c in depth.items()}
+    for queue, count in live.items():
+        merged.setdefault(queue, {"queued": 0, "retrying": 0, "running": count})
+    return {q: c for q, c in sorted(merged.items()) if any(c.values())}
 
 
 def depth_series(

@@ -56,7 +56,9 @@ async def read(
         clock = (await _all(conn, q["clock"]))[0]
         now, second = float(clock[0]), int(clock[1])
         depth_rows = await _all(conn, q["depth_sampled"]) or await _all(conn, q["depth_count"])
-        depth = figures.depth_counts(depth_rows)
+        depth = figures.with_running(
+            figures.depth_counts(depth_rows), await _all(conn, q["running_by_queue"])
+        )
         tput = figures.throughput(await _all(conn, q["throughput"]), second)
         latency = figures.latency(figures.histograms(await _all(conn, q["latency_histograms"])))
         samples = await _all(conn, q["depth_history"])

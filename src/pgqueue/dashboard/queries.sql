@@ -19,21 +19,28 @@ ORDER BY queue
 
 -- name: depth_count
 -- No fresh sample (no worker running): count, one partial index per figure (waiting jobs
--- index-only from the ready index, retrying and running from their small indexes).
+-- index-only from the ready index, retrying ones from their small index). Running jobs are
+-- always counted live (running_by_queue).
 SELECT queue, (sum(waiting) - sum(retrying))::int AS queued, sum(retrying)::int AS retrying,
-       sum(running)::int AS running
+       0 AS running
 FROM (
-    SELECT queue, count(*) AS waiting, 0 AS retrying, 0 AS running
+    SELECT queue, count(*) AS waiting, 0 AS retrying
     FROM {schema}.pgqueue_jobs WHERE status IN ('queued', 'retrying') GROUP BY queue
     UNION ALL
-    SELECT queue, 0, count(*), 0
+    SELECT queue, 0, count(*)
     FROM {schema}.pgqueue_jobs WHERE status = 'retrying' GROUP BY queue
-    UNION ALL
-    SELECT queue, 0, 0, count(*)
-    FROM {schema}.pgqueue_jobs WHERE status = 'running' GROUP BY queue
 ) counts
 GROUP BY queue
 ORDER BY queue
+
+-- name: running_by_queue
+-- Running jobs, counted now rather than taken from the (up to 2 s old) sample, so the tile
+-- agrees with the running-jobs table of the same refresh. Bounded by total worker concurrency:
+-- an index-only scan of the running partial index.
+SELECT queue, count(*)::int
+FROM {schema}.pgqueue_jobs
+WHERE status = 'running'
+GROUP BY queue
 
 -- name: throughput
 -- Finished attempts per second for the last two minutes (bucket index range scan).

@@ -79,7 +79,7 @@
 
   function renderThroughput(tp) {
     if (!window.uPlot) return;
-    const total = tp.succeeded.map((s, i) => s + tp.failed[i]);
+    const total = tp.succeeded.map((s, i) => (s === null ? null : s + tp.failed[i]));
     const data = [tp.t, total, tp.succeeded];
     if (!state.charts.tp) {
       const node = $("chart-throughput");
