@@ -229,6 +229,9 @@ def status(dsn: str | None, schema: str) -> None:
 @click.option("--queues", default=None, help="Comma-separated queues (default: all).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
+@click.option(
+    "--heartbeat-interval", type=float, default=None, help="Seconds between heartbeats [lease/3]."
+)
 @click.option("--poll-interval", type=float, default=1.0, show_default=True)
 @click.option("--grace-period", type=float, default=30.0, show_default=True)
 @click.option("--no-listen", is_flag=True, help="Poll only; do not LISTEN for NOTIFY.")
@@ -240,6 +243,7 @@ def worker(
     queues: str | None,
     concurrency: int,
     lease: float,
+    heartbeat_interval: float | None,
     poll_interval: float,
     grace_period: float,
     no_listen: bool,
@@ -256,6 +260,7 @@ def worker(
         queues=queues.split(",") if queues else None,
         concurrency=concurrency,
         lease=lease,
+        heartbeat_interval=heartbeat_interval,
         poll_interval=poll_interval,
         grace_period=grace_period,
         listen=not no_listen,

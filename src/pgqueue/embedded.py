@@ -132,7 +132,11 @@ class EmbeddedPostgres:
 
     def restart(self, mode: str = "fast") -> None:
         """Restart in place (``immediate`` simulates a crash)."""
-        self._run("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", "60", "restart")
+        # -l again: without it the new postmaster would write to (and hold open) our pipes.
+        self._run(
+            "pg_ctl", "-D", str(self.datadir), "-l", str(self.tmp / "server.log"),
+            "-m", mode, "-w", "-t", "60", "restart",
+        )  # fmt: skip
 
     def stop(self) -> None:
         if self.started:

@@ -9,31 +9,8 @@ Latency histograms use log-spaced bins, ``BINS_PER_DOUBLING`` (4) per doubling f
 within ``RELATIVE_ERROR`` (2**(1/8) - 1, about ±9 %) of the true value; values under 100 µs
 fall in bin 0 and read as 50 µs.
 
-Glue for the worker runtime (the lead wires this in)::
-
-    from pgqueue import stats
-
-    recorder = stats.StatsRecorder(app.schema, worker.id)
-
-    # Worker._on_written(batch, accepted), for each outcome:
-    kind = (
-        "lost" if outcome.job_id not in accepted
-        else {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}[outcome.status.value]
-    )
-    recorder.record(outcome.queue, kind, outcome.pickup_seconds, outcome.run_seconds)
-
-    # One more service on the worker's pool, once per second:
-    while not state.stopping.is_set():
-        try:
-            async with pool.connection() as conn:
-                await recorder.flush(conn)
-                await stats.sample_depth(conn, app.schema)
-                if minute_passed:
-                    await stats.prune_stats(conn, app.schema, older_than_seconds=3600)
-        except psycopg.Error:
-            pass  # counts are kept for the next flush
-        await pause(state.stopping, 1.0)
-    # and a last ``await recorder.flush(conn)`` after the completer has drained.
+The worker records each written ack (``succeeded``, ``retried``, ``dead``) and each write
+refused by fencing (``lost``) in a ``StatsRecorder``; ``worker/statistics.py`` flushes it.
 """
 
 from __future__ import annotations

@@ -356,6 +356,7 @@ class Worker:
         if not held.lost:
             held.lost = True
             self._count_stale(held.job.id)
+            self.recorder.record(held.job.queue, "lost", None, None)
         held.phase = Phase.ABANDONED
         if held.handler is not None and not held.handler.done():
             held.handler.cancel()
