@@ -150,8 +150,12 @@ DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 -- name: reap_expired_leases
 -- Expired leases go back to retrying (with the same capped, fully jittered backoff as failures:
 -- random() * least(cap, base * 2^(attempts-1))) or to dead when out of attempts. Find and update
--- are one statement, and the outer WHERE re-checks token and expiry on the locked row, so a job
--- that completed or was re-claimed in between is never touched.
+-- are one statement guarded on the lease itself: the find reads the statement's snapshot, and
+-- when a found row changed since (completed, re-claimed, extended), READ COMMITTED re-checks
+-- the outer WHERE on the newest version, where token, status or expiry no longer match, so the
+-- row is left alone. Rows being acked are waited for (briefly), then re-checked the same way.
+-- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row and
+-- before updating it, so tests can complete or re-claim the job in exactly that gap.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
              ::{schema}.pgqueue_status,
@@ -168,10 +172,10 @@ FROM (
     SELECT id, lease_token FROM {schema}.pgqueue_jobs
     WHERE status = 'running' AND lease_expires_at < now()
     LIMIT 1000
-    FOR UPDATE SKIP LOCKED
 ) expired
 WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
   AND j.lease_expires_at < now()
+  AND (%(pause)s::float8 = 0 OR pg_sleep(%(pause)s::float8) IS NOT NULL)
 RETURNING j.id, j.status::text, j.attempts
 
 -- name: prune_workers

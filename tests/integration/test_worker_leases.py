@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -17,11 +18,11 @@ import pgqueue
 from pgqueue.jobs import Status
 from pgqueue.worker.completer import Completer
 from pgqueue.worker.executor import Outcome
-from tests.helpers import running_worker, wait_until_async
+from tests.helpers import running_worker, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
-BACKOFF = {"backoff_base": 1.0, "backoff_cap": 3600.0}
+BACKOFF = {"backoff_base": 1.0, "backoff_cap": 3600.0, "pause": 0.0}
 
 
 def claim(app: pgqueue.App, conn: Conn, worker: uuid.UUID, lease: float = 30) -> list[Any]:
@@ -106,23 +107,36 @@ def test_reaper_counts_the_attempt_and_buries_jobs_out_of_attempts(
     assert delay is not None and -1 <= delay[0] <= 1.0  # uniform(0, base) after attempt 1
 
 
-def test_reaper_skips_a_live_lease_and_a_job_being_completed(
+def test_reaper_leaves_a_live_lease_and_a_job_being_completed_alone(
     app: pgqueue.App, conn: Conn, dsn: str
 ) -> None:
     live = app.enqueue("t", {}, allow_unknown=True)
     finishing = app.enqueue("t", {}, allow_unknown=True)
     tokens = {r[0]: r[6] for r in claim(app, conn, uuid.uuid4())}
     expire(conn, finishing)
-    with psycopg.connect(dsn) as completing:
-        # The holder's ack is in flight (row locked, not yet committed) when the reaper runs:
-        # SKIP LOCKED passes over it without waiting, and after the commit the row is no
-        # longer running, so no later round can touch it either.
+    with psycopg.connect(dsn) as completing, ThreadPoolExecutor(1) as pool:
+        # The holder's ack is in flight (row locked, not yet committed) when the reaper runs.
         assert complete(app, completing, finishing, tokens[finishing]) == [(finishing,)]
-        assert conn.execute(app.q.reap_expired_leases, BACKOFF).fetchall() == []
+
+        def reap() -> list[Any]:
+            with psycopg.connect(dsn, autocommit=True) as reaper:
+                return reaper.execute(app.q.reap_expired_leases, BACKOFF).fetchall()
+
+        reaping = pool.submit(reap)
+        wait_until(lambda: waiting_on_a_lock(conn))
         completing.commit()
-    assert conn.execute(app.q.reap_expired_leases, BACKOFF).fetchall() == []
+        # It waited for the ack, then re-checked the row: no longer running, so untouched.
+        assert reaping.result(10) == []
     assert row(conn, finishing)[:2] == ("succeeded", 1)
     assert row(conn, live)[:3] == ("running", 1, tokens[live])
+
+
+def waiting_on_a_lock(conn: Conn) -> bool:
+    found = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return found == (1,)
 
 
 async def test_ack_whose_commit_went_unseen_is_recognised_not_counted_stale(

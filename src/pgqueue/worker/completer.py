@@ -68,7 +68,7 @@ class Completer:
                 self._has_work.clear()
             return
         try:
-            accepted = await self._write(batch, self._uncertain)
+            accepted = await self._write(batch, self._uncertain or any(o.uncertain for o in batch))
         except (psycopg.Error, OSError) as exc:
             log.warning("writing %d results failed (%s); retrying", len(batch), exc)
             self._uncertain = True
@@ -98,7 +98,10 @@ class Completer:
             if uncertain and refused:
                 cur = await conn.execute(
                     self.q.applied_completions,
-                    {"ids": [o.job_id for o in refused], "tokens": [o.lease_token for o in refused]},
+                    {
+                        "ids": [o.job_id for o in refused],
+                        "tokens": [o.lease_token for o in refused],
+                    },
                 )
                 accepted.update(int(row[0]) for row in await cur.fetchall())
             return accepted
