@@ -5,34 +5,51 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 include dashboard.mk
 
-.PHONY: test demo lint typecheck check venv clean
+.PHONY: test demo docs docs-serve lint typecheck check venv clean
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/pip:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+
+# Everything: development tools, docs, the dashboard and the guides' frameworks.
+$(STAMP): pyproject.toml | $(VENV)/bin/pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# Only what the demo runs: the dashboard, and pgserver for machines without PostgreSQL.
+$(DEMO_STAMP): pyproject.toml | $(VENV)/bin/pip
+	$(BIN)/pip install --quiet -e '.[dashboard,embedded]'
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples docs
+	$(BIN)/ruff format --check src tests benchmarks examples docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
 check: lint typecheck
 
-test: check assets
+# The documentation site; warnings (a broken link, a missing docstring target) are errors.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
+test: check docs assets
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
 
-demo: $(STAMP) assets
-	$(BIN)/python examples/demo.py
+demo: $(DEMO_STAMP) assets
+	$(BIN)/pgqueue demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
