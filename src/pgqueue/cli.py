@@ -296,6 +296,7 @@ def demo(dsn: str | None, schema: str | None, port: int, backend: str) -> None:
     sys.exit(run_demo(dsn=dsn or os.environ.get("DATABASE_URL"), schema=schema, port=port,
                       backend=backend))  # fmt: skip
 
+
 try:
     from .dashboard.cli import dashboard_command
 except ImportError:  # the optional extra is not installed

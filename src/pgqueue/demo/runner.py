@@ -159,9 +159,7 @@ class Demo:
         port = self.port if _port_is_free(self.port) else free_port()
         if port != self.port:
             self.out.say(f"  port {self.port} is taken; the dashboard uses {port} instead")
-        self._spawn(
-            "dashboard", ["dashboard", "--port", str(port), "--schema", self.schema], env
-        )
+        self._spawn("dashboard", ["dashboard", "--port", str(port), "--schema", self.schema], env)
         url = f"http://127.0.0.1:{port}/"
         self._wait_for_dashboard(url)
         return url
@@ -206,7 +204,9 @@ class Demo:
         tasks = importlib.import_module("pgqueue.demo.tasks")
         tasks.app.dsn = self.dsn
         if not (VENDOR / "uPlot.iife.min.js").exists():
-            self.out.say("  note: the chart library is missing (run `make assets`); charts stay empty")
+            self.out.say(
+                "  note: the chart library is missing (run `make assets`); charts stay empty"
+            )
         self.out.say(f"Dashboard: {url}")
         self.out.say(
             f"Running: producers, {WORKERS} workers ({CONCURRENCY} jobs at once each), the "
@@ -315,7 +315,7 @@ async def produce(tasks: ModuleType, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), timeout=0.1)
 
 
-def _totals(rows: list[tuple[Any, ...]]) -> dict[str, int]:
+def _totals(rows: list[Any]) -> dict[str, int]:
     totals: dict[str, int] = {}
     for _queue, status, count in rows:
         totals[str(status)] = totals.get(str(status), 0) + int(count)
@@ -359,4 +359,3 @@ def run_demo(
     out = stream or sys.stdout
     demo = Demo(dsn, schema, port, backend, Output(out, interactive=out.isatty()))
     return demo.run()
-
