@@ -8,8 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,14 @@ class WorkerProcesses:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+
+
+@contextlib.contextmanager
+def worker_process(dsn: str, *args: str, app: str) -> Iterator[subprocess.Popen[bytes]]:
+    """One real worker process for the duration of the block, stopped gracefully after."""
+    with tempfile.TemporaryDirectory(prefix="pgqueue-worker-") as logdir:
+        procs = WorkerProcesses(dsn, app, Path(logdir))
+        try:
+            yield procs.start(*args)
+        finally:
+            procs.stop_all(15)
