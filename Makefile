@@ -5,17 +5,27 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 include dashboard.mk
 
-.PHONY: test demo lint typecheck check venv clean
+.PHONY: test demo docs docs-serve lint typecheck check venv clean
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/pip:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+
+# Everything: development tools, docs, the dashboard and the guides' frameworks.
+$(STAMP): pyproject.toml | $(VENV)/bin/pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# Only what the demo runs: the dashboard, and pgserver for machines without PostgreSQL.
+$(DEMO_STAMP): pyproject.toml | $(VENV)/bin/pip
+	$(BIN)/pip install --quiet -e '.[dashboard,embedded]'
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
 
@@ -28,11 +38,19 @@ typecheck: $(STAMP)
 
 check: lint typecheck
 
-test: check assets
+# The documentation site; warnings (a broken link, a missing docstring target) are errors.
+# NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about its successor on every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+test: check docs assets
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
 
-demo: $(STAMP) assets
-	$(BIN)/python examples/demo.py
+demo: $(DEMO_STAMP) assets
+	$(BIN)/pgqueue demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -61,35 +62,63 @@ async def running_worker(app: pgqueue.App, **options: Any) -> AsyncIterator[Work
         await asyncio.wait_for(task, 60)
 
 
-@contextlib.contextmanager
-def worker_process(
-    dsn: str,
-    *args: str,
-    app: str = "tests.acceptance.jobs_app:app",
-    env: dict[str, str] | None = None,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A real ``pgqueue worker`` subprocess; killed at the end if still alive."""
-    environment = {**os.environ, "PGQUEUE_DSN": dsn, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pgqueue.cli",
-            "worker",
-            "--app",
-            app,
-            "--log-level",
-            "WARNING",
-            *args,
-        ],
-        cwd=ROOT,
-        env=environment,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
+class WorkerProcesses:
+    """Real ``pgqueue worker`` subprocesses on one database; each one's stderr goes to a log
+    file that a failing test prints. ``stop_all`` stops them gracefully (SIGTERM), then kills."""
+
+    def __init__(self, dsn: str, app: str, logdir: Path, env: dict[str, str] | None = None) -> None:
+        self.dsn = dsn
+        self.app = app
+        self.logdir = logdir
+        self.env = env or {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        environment = {
+            **os.environ,
+            "PGQUEUE_DSN": self.dsn,
+            "PYTHONPATH": str(ROOT),
+            **self.env,
+            **(env or {}),
+        }
+        log = self.logdir / f"worker-{len(self.logs)}.log"
+        self.logs.append(log)
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pgqueue.cli", "worker", "--app", self.app,
+                 "--log-level", "WARNING", *args],
+                cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=stderr,
+            )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def output(self) -> str:
+        return "\n".join(
+            f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in self.logs
+        )
+
+    def stop_all(self, timeout: float = 30) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-            proc.wait(10)
+                proc.wait()
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def worker_process(dsn: str, *args: str, app: str) -> Iterator[subprocess.Popen[bytes]]:
+    """One real worker process for the duration of the block, stopped gracefully after."""
+    with tempfile.TemporaryDirectory(prefix="pgqueue-worker-") as logdir:
+        procs = WorkerProcesses(dsn, app, Path(logdir))
+        try:
+            yield procs.start(*args)
+        finally:
+            procs.stop_all(15)

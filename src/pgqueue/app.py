@@ -141,7 +141,7 @@ class App:
         max_catchup: int = DEFAULT_MAX_CATCHUP,
     ) -> Callable[[Task[P, R]], Task[P, R]]:
         """Enqueue the task on a cron schedule (UTC). Goes above ``@app.task``; the schedule
-        name defaults to the task name. See docs/schedules.md for ``missed``."""
+        name defaults to the task name. See docs/concepts/schedules.md for ``missed``."""
 
         def register(task: Task[P, R]) -> Task[P, R]:
             if not isinstance(task, Task) or self.tasks.get(task.name) is not task:

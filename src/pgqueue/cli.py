@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,6 +17,8 @@ import psycopg
 
 from . import __version__
 from .app import App
+from .db import validate_schema
+from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .schedules_cli import schedules_command
 
@@ -229,6 +232,9 @@ def status(dsn: str | None, schema: str) -> None:
 @click.option("--queues", default=None, help="Comma-separated queues (default: all).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
+@click.option(
+    "--heartbeat-interval", type=float, default=None, help="Seconds between heartbeats [lease/3]."
+)
 @click.option("--poll-interval", type=float, default=1.0, show_default=True)
 @click.option("--grace-period", type=float, default=30.0, show_default=True)
 @click.option("--no-listen", is_flag=True, help="Poll only; do not LISTEN for NOTIFY.")
@@ -240,6 +246,7 @@ def worker(
     queues: str | None,
     concurrency: int,
     lease: float,
+    heartbeat_interval: float | None,
     poll_interval: float,
     grace_period: float,
     no_listen: bool,
@@ -256,6 +263,7 @@ def worker(
         queues=queues.split(",") if queues else None,
         concurrency=concurrency,
         lease=lease,
+        heartbeat_interval=heartbeat_interval,
         poll_interval=poll_interval,
         grace_period=grace_period,
         listen=not no_listen,
@@ -263,6 +271,36 @@ def worker(
 
 
 main.add_command(schedules_command, "schedules")
+
+
+@main.command()
+@click.option(
+    "--dsn", envvar="PGQUEUE_DSN",
+    help="Use this database (default: $PGQUEUE_DSN, else $DATABASE_URL, else a throwaway "
+    "PostgreSQL that is removed on Ctrl-C).",
+)  # fmt: skip
+@click.option(
+    "--schema", default=None,
+    help="Schema of the demo's tables (default: public in a throwaway database, "
+    "pgqueue_demo in yours).",
+)  # fmt: skip
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Dashboard port (a free one if it is taken).")  # fmt: skip
+@click.option(
+    "--postgres", "backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+    help="Throwaway server: the local PostgreSQL binaries, the pgserver package "
+    "(pgqueue[embedded]), or auto (local first).",
+)  # fmt: skip
+@friendly_errors
+def demo(dsn: str | None, schema: str | None, port: int, backend: str) -> None:
+    """Run a live demo: PostgreSQL, demo tasks, producers, two workers and the dashboard."""
+    from .demo.runner import run_demo
+
+    if schema is not None:
+        validate_schema(schema)
+    sys.exit(run_demo(dsn=dsn or os.environ.get("DATABASE_URL"), schema=schema, port=port,
+                      backend=backend))  # fmt: skip
+
 
 try:
     from .dashboard.cli import dashboard_command

@@ -2,6 +2,9 @@
 
 Used by the test harness and by ``pgqueue demo``. PostgreSQL refuses to run as root, so as root
 the cluster is created and started as the unprivileged ``postgres`` user.
+
+Where no server binaries are installed, ``pgqueue demo`` falls back to the ``pgserver`` package
+(the ``pgqueue[embedded]`` extra), which ships PostgreSQL's binaries in its wheel.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 from .errors import ConfigurationError
 
@@ -57,10 +62,9 @@ class EmbeddedPostgres:
             )
         self.bindir = found
         self.port = port or free_port()
-        self.tmp = Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
-        self.datadir = self.tmp / "data"
         self.user = "postgres"
         self._run_as: Callable[[], None] | None = None
+        pw = None
         if os.geteuid() == 0:
             try:
                 pw = pwd.getpwnam("postgres")
@@ -69,6 +73,9 @@ class EmbeddedPostgres:
                     "running as root, and PostgreSQL refuses root: create a `postgres` user "
                     "or run as an unprivileged user"
                 ) from None
+        self.tmp = Path(tempfile.mkdtemp(prefix="pgqueue-pg-"))
+        self.datadir = self.tmp / "data"
+        if pw is not None:
             os.chown(self.tmp, pw.pw_uid, pw.pw_gid)
             uid, gid = pw.pw_uid, pw.pw_gid
 
@@ -131,8 +138,8 @@ class EmbeddedPostgres:
         return self
 
     def restart(self, mode: str = "fast") -> None:
-        """Restart in place (``immediate`` simulates a crash). The log file matters: without
-        one the new postmaster inherits our output pipes and ``_run`` would wait forever."""
+        """Restart in place (``immediate`` simulates a crash)."""
+        # -l again: without it the new postmaster would write to (and hold open) our pipes.
         self._run(
             "pg_ctl", "-D", str(self.datadir), "-l", str(self.tmp / "server.log"),
             "-m", mode, "-w", "-t", "60", "restart",
@@ -150,3 +157,121 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Throwaway(Protocol):
+    """What ``pgqueue demo`` needs of a throwaway server: where it is, and how to remove it."""
+
+    @property
+    def dsn(self) -> str: ...
+
+    def describe(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+class LocalPostgres:
+    """EmbeddedPostgres behind the ``Throwaway`` interface."""
+
+    def __init__(self, cluster: EmbeddedPostgres) -> None:
+        self.cluster = cluster
+
+    @property
+    def dsn(self) -> str:
+        return self.cluster.dsn
+
+    @property
+    def path(self) -> Path:
+        return self.cluster.tmp
+
+    def describe(self) -> str:
+        c = self.cluster
+        return f"PostgreSQL from {c.bindir}, data in {c.tmp}, port {c.port}"
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+class PgserverPostgres:
+    """The PostgreSQL that the ``pgserver`` package ships, in a temporary directory.
+
+    pgserver listens on a Unix socket only (in the data directory), so the DSN names a socket
+    directory rather than a port. As root it runs the server as a ``pgserver`` system user,
+    which it creates with ``useradd`` the first time.
+    """
+
+    def __init__(self) -> None:
+        self.server: Any = None
+        self.path = Path(tempfile.mkdtemp(prefix="pgqueue-pgserver-"))
+
+    def start(self) -> PgserverPostgres:
+        pgserver = import_pgserver()
+        if pgserver is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise ConfigurationError(
+                "the pgserver package is not installed: pip install 'pgqueue[embedded]'"
+            )
+        try:
+            self.server = pgserver.get_server(self.path, cleanup_mode="delete")
+        except Exception as exc:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise RuntimeError(f"pgserver could not start PostgreSQL: {exc}") from exc
+        return self
+
+    @property
+    def dsn(self) -> str:
+        assert self.server is not None, "start() first"
+        return str(self.server.get_uri())
+
+    def describe(self) -> str:
+        return f"PostgreSQL from the pgserver package, data and socket in {self.path}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.cleanup()
+            self.server = None
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def import_pgserver() -> Any:
+    """The pgserver module, or None. platformdirs warns at import when $XDG_RUNTIME_DIR is
+    unset (common in containers); that is harmless here, so it is not shown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import pgserver
+        except ImportError:
+            return None
+    return pgserver
+
+
+BACKENDS = ("auto", "local", "pgserver")
+
+
+def start_throwaway(backend: str = "auto") -> LocalPostgres | PgserverPostgres:
+    """Start a throwaway server: the local binaries when they are installed (and usable), else
+    pgserver's. ``backend`` forces one of them."""
+    if backend not in BACKENDS:
+        raise ConfigurationError(f"unknown PostgreSQL backend {backend!r}: use one of {BACKENDS}")
+    local_problem = None
+    if backend in ("auto", "local"):
+        try:
+            cluster = EmbeddedPostgres()
+        except ConfigurationError as exc:
+            if backend == "local":
+                raise
+            local_problem = str(exc)
+        else:
+            try:
+                return LocalPostgres(cluster.start())
+            except BaseException:
+                cluster.stop()
+                raise
+    if import_pgserver() is None:
+        raise ConfigurationError(
+            f"{local_problem or 'no local PostgreSQL'}; nor is the pgserver package installed "
+            "(pip install 'pgqueue[embedded]', which ships PostgreSQL). Or give a database: "
+            "--dsn or $PGQUEUE_DSN"
+        )
+    return PgserverPostgres().start()

@@ -85,7 +85,9 @@ RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts, j.lease_tok
 -- name: complete_jobs
 -- Batched acks, fenced per job: a row changes only while it still carries the lease token this
 -- worker got when it claimed it. Rows missing from RETURNING were lost (reaped, re-claimed or
--- cancelled) and the stale result is dropped.
+-- cancelled) and the stale result is dropped. The token stays on the finished row (only a new
+-- claim replaces it; reaper and release clear it), so an ack whose commit went unseen can be
+-- recognised as ours (applied_completions) instead of being miscounted as stale.
 UPDATE {schema}.pgqueue_jobs j
 SET status = a.status::{schema}.pgqueue_status,
     run_at = CASE WHEN a.status = 'retrying'
@@ -94,12 +96,21 @@ SET status = a.status::{schema}.pgqueue_status,
     started_at = now() - make_interval(secs => a.run_seconds),
     last_error = COALESCE(a.error, j.last_error),
     result = a.result::jsonb,
-    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
+    lease_expires_at = NULL, worker_id = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(statuses)s::text[], %(delays)s::float8[],
             %(errors)s::text[], %(results)s::text[], %(run_seconds)s::float8[])
      AS a(id, token, status, delay, error, result, run_seconds)
 WHERE j.id = a.id AND j.lease_token = a.token AND j.status = 'running'
 RETURNING j.id
+
+-- name: applied_completions
+-- Only after a failed ack write (connection lost mid-commit): which of these acks did commit?
+-- A row that is no longer running but still carries our token was finished by our own earlier
+-- write: tokens are fresh per claim, and the reaper and releases clear them.
+SELECT j.id
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS a(id, token)
+JOIN {schema}.pgqueue_jobs j ON j.id = a.id AND j.lease_token = a.token
+WHERE j.status <> 'running'
 
 -- name: release_leases
 -- Shutdown: give back jobs this worker will not finish, without counting the attempt, so other
@@ -139,8 +150,12 @@ DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 -- name: reap_expired_leases
 -- Expired leases go back to retrying (with the same capped, fully jittered backoff as failures:
 -- random() * least(cap, base * 2^(attempts-1))) or to dead when out of attempts. Find and update
--- are one statement, and the outer WHERE re-checks token and expiry on the locked row, so a job
--- that completed or was re-claimed in between is never touched.
+-- are one statement guarded on the lease itself: the find reads the statement's snapshot, and
+-- when a found row changed since (completed, re-claimed, extended), READ COMMITTED re-checks
+-- the outer WHERE on the newest version, where token, status or expiry no longer match, so the
+-- row is left alone. Rows being acked are waited for (briefly), then re-checked the same way.
+-- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row and
+-- before updating it, so tests can complete or re-claim the job in exactly that gap.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
              ::{schema}.pgqueue_status,
@@ -157,10 +172,10 @@ FROM (
     SELECT id, lease_token FROM {schema}.pgqueue_jobs
     WHERE status = 'running' AND lease_expires_at < now()
     LIMIT 1000
-    FOR UPDATE SKIP LOCKED
 ) expired
 WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
   AND j.lease_expires_at < now()
+  AND (%(pause)s::float8 = 0 OR pg_sleep(%(pause)s::float8) IS NOT NULL)
 RETURNING j.id, j.status::text, j.attempts
 
 -- name: prune_workers

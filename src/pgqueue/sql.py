@@ -50,6 +50,7 @@ class Queries:
     claim_jobs: bytes
     claim_jobs_in_queues: bytes
     complete_jobs: bytes
+    applied_completions: bytes
     release_leases: bytes
     extend_leases: bytes
     register_worker: bytes

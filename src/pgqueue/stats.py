@@ -9,8 +9,8 @@ Latency histograms use log-spaced bins, ``BINS_PER_DOUBLING`` (4) per doubling f
 within ``RELATIVE_ERROR`` (2**(1/8) - 1, about ±9 %) of the true value; values under 100 µs
 fall in bin 0 and read as 50 µs.
 
-The worker side lives in ``pgqueue.worker.statistics`` (one flush and depth sample per
-second); the reading side in ``pgqueue.dashboard``.
+The worker records each written ack (``succeeded``, ``retried``, ``dead``) and each write
+refused by fencing (``lost``) in a ``StatsRecorder``; ``worker/statistics.py`` flushes it.
 """
 
 from __future__ import annotations

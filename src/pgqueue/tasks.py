@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_origin, get_type_hints
 
 import psycopg
 
 from .backoff import Backoff
 from .context import JobContext
-from .errors import InvalidJobError
+from .errors import ConfigurationError, InvalidJobError
 
 if TYPE_CHECKING:
     from .app import App
@@ -23,15 +24,49 @@ R = TypeVar("R")
 Connection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
 
 
-def context_parameter(func: Callable[..., Any]) -> str | None:
-    """The name of the parameter annotated ``JobContext``, if the handler asks for one."""
+def _hints(func: Callable[..., Any]) -> dict[str, Any]:
     try:
         hints = get_type_hints(func)
     except Exception:  # unresolvable annotations: fall back to the raw ones
-        hints = getattr(func, "__annotations__", {})
-    for name, hint in hints.items():
-        if name != "return" and (hint is JobContext or hint == "JobContext"):
+        hints = dict(getattr(func, "__annotations__", {}))
+    hints.pop("return", None)
+    return hints
+
+
+def context_parameter(func: Callable[..., Any]) -> str | None:
+    """The name of the parameter annotated ``JobContext``, if the handler asks for one."""
+    for name, hint in _hints(func).items():
+        if hint is JobContext or hint == "JobContext":
             return name
+    return None
+
+
+_CONNECTION_NAME = re.compile(r"^(psycopg\.)?(Async)?Connection(\[.*\])?$")
+
+
+def connection_parameter(func: Callable[..., Any], is_async: bool) -> str | None:
+    """The name of the parameter annotated with a psycopg connection, if the handler asks for
+    one: transactional completion. An async handler needs ``psycopg.AsyncConnection``, a sync
+    one ``psycopg.Connection``, since the connection is used where the handler runs."""
+    for name, hint in _hints(func).items():
+        if isinstance(hint, str):
+            match = _CONNECTION_NAME.match(hint.strip())
+            if not match:
+                continue
+            wants_async = match.group(2) is not None
+        else:
+            origin = get_origin(hint) or hint
+            if origin not in (psycopg.Connection, psycopg.AsyncConnection):
+                continue
+            wants_async = origin is psycopg.AsyncConnection
+        if wants_async != is_async:
+            expected = "psycopg.AsyncConnection" if is_async else "psycopg.Connection"
+            kind = "an async" if is_async else "a sync"
+            raise ConfigurationError(
+                f"{func.__name__}: {kind} handler's transaction parameter {name!r} must be "
+                f"annotated {expected}"
+            )
+        return name
     return None
 
 
@@ -47,8 +82,8 @@ class TaskOptions:
 
 class Task(Generic[P, R]):
     """A registered handler. ``enqueue`` takes the handler's keyword arguments (checked against
-    its signature at enqueue time, minus any ``JobContext`` parameter, which the worker fills).
-    Calling the task runs the handler in-process."""
+    its signature at enqueue time, minus the ``JobContext`` and connection parameters, which
+    the worker fills). Calling the task runs the handler in-process."""
 
     def __init__(
         self,
@@ -68,6 +103,8 @@ class Task(Generic[P, R]):
         self.backoff = backoff
         self.is_async = inspect.iscoroutinefunction(func)
         self.context_param = context_parameter(func)
+        #: Set when the handler takes a psycopg connection: its writes commit with the ack.
+        self.connection_param = connection_parameter(func, self.is_async)
         self.signature = inspect.signature(func)
         self.__doc__ = func.__doc__
         self.__wrapped__ = func
@@ -81,8 +118,9 @@ class Task(Generic[P, R]):
     def check_args(self, kwargs: dict[str, Any]) -> None:
         """Refuse arguments the handler could never accept, at enqueue time."""
         params = dict(self.signature.parameters)
-        if self.context_param:
-            params.pop(self.context_param, None)
+        for filled_by_worker in (self.context_param, self.connection_param):
+            if filled_by_worker:
+                params.pop(filled_by_worker, None)
         try:
             self.signature.replace(parameters=list(params.values())).bind(**kwargs)
         except TypeError as exc:

@@ -3,10 +3,8 @@ through SIGKILL, clock skew and an outage."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -17,9 +15,10 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 
+from tests.helpers import WorkerProcesses
+
 pytestmark = pytest.mark.acceptance
 
-ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.schedule_app:app"
 SECOND = timedelta(seconds=1)
 T = TypeVar("T")
@@ -37,53 +36,21 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
         time.sleep(0.1)
 
 
-class Workers:
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Any] = []
-
-    def start(self, *, offset: float = 0, missed: str = "all") -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "PGQUEUE_DSN": self.dsn,
-            "PGQUEUE_TEST_CLOCK_OFFSET": str(offset),
-            "PGQUEUE_TEST_MISSED": missed,
-            "PYTHONPATH": str(ROOT),
-        }
-        log = open(f"/tmp/pgqueue-accept-{os.getpid()}-{len(self.logs)}.log", "wb")  # noqa: SIM115
-        self.logs.append(log)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pgqueue.cli", "worker", "--app", APP, "--log-level", "WARNING",
-             "--concurrency", "2", "--grace-period", "2"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
-        for log in self.logs:
-            log.close()
-        self.logs.clear()
+class Workers(WorkerProcesses):
+    def start(  # type: ignore[override]
+        self, *, offset: float = 0, missed: str = "all"
+    ) -> subprocess.Popen[bytes]:
+        env = {"PGQUEUE_TEST_CLOCK_OFFSET": str(offset), "PGQUEUE_TEST_MISSED": missed}
+        return super().start("--concurrency", "2", "--grace-period", "2", env=env)
 
 
 @pytest.fixture
-def workers(dsn: str) -> Iterator[Workers]:
-    pool = Workers(dsn)
+def workers(dsn: str, tmp_path: Path) -> Iterator[Workers]:
+    pool = Workers(dsn, APP, tmp_path)
     try:
         yield pool
     finally:
-        pool.stop_all()
+        pool.stop_all(15)
 
 
 def ticks(conn: Conn) -> list[datetime]:

@@ -28,10 +28,8 @@ def throughput(rows: Iterable[Sequence[Any]], end: int) -> dict[str, Any]:
     retry and failure tiles count every second of the last 60, unsettled ones included."""
     by_second = {int(r[0]): (int(r[1]), int(r[2]) + int(r[3]), int(r[2]), int(r[3])) for r in rows}
     xs = seconds(end)
-    # Unsettled seconds are None (a gap on the chart), not a misleading drop to zero.
-    settled_end = end - SETTLE
-    succeeded = [by_second.get(t, (0, 0, 0, 0))[0] if t <= settled_end else None for t in xs]
-    failed = [by_second.get(t, (0, 0, 0, 0))[1] if t <= settled_end else None for t in xs]
+    succeeded = [by_second.get(t, (0, 0, 0, 0))[0] for t in xs]
+    failed = [by_second.get(t, (0, 0, 0, 0))[1] for t in xs]
     last60 = [by_second[t] for t in xs[-60:] if t in by_second]
     settled = xs[-RATE_WINDOW - SETTLE : -SETTLE]
     finished = sum(by_second.get(t, (0, 0, 0, 0))[0] + by_second.get(t, (0, 0, 0, 0))[1]
@@ -40,6 +38,9 @@ def throughput(rows: Iterable[Sequence[Any]], end: int) -> dict[str, Any]:
         "t": xs,
         "succeeded": succeeded,
         "failed": failed,
+        # Seconds after this one may still grow (a worker's flush in flight): the chart leaves
+        # them out rather than show a drop to zero at its right edge.
+        "settled_until": end - SETTLE,
         "rate": finished / RATE_WINDOW,
         "retries_60s": sum(v[2] for v in last60),
         "failed_60s": sum(v[3] for v in last60),

@@ -142,7 +142,7 @@ class Refresher:
                 "retries_60s": tput["retries_60s"],
                 "failed_60s": tput["failed_60s"],
             },
-            "throughput": {k: tput[k] for k in ("t", "succeeded", "failed")},
+            "throughput": {k: tput[k] for k in ("t", "succeeded", "failed", "settled_until")},
             "depth": depth,
             "queues": [{"queue": q, **c} for q, c in sorted(r.depth.items())],
             "workers": r.workers,

@@ -2,7 +2,10 @@
 
 A completion waits at most ``flush_interval`` (a few milliseconds) for company; a full batch goes
 at once. If the database is unreachable the batch is kept and retried: a lease that runs out in
-the meantime simply makes that write stale, and fencing refuses it.
+the meantime simply makes that write stale, and fencing refuses it. A write that failed may
+still have committed (the connection died after COMMIT reached the server), so the retry also
+asks which of its acks are already in (``applied_completions``) rather than reporting our own
+committed results as stale.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class Completer:
         self.pending: list[Outcome] = []
         self._has_work = asyncio.Event()
         self._stopped = False
+        #: The last write of the head of ``pending`` failed: it may have committed unseen.
+        self._uncertain = False
+        self.writes = 0
 
     def submit(self, outcome: Outcome) -> None:
         self.pending.append(outcome)
@@ -62,17 +68,19 @@ class Completer:
                 self._has_work.clear()
             return
         try:
-            accepted = await self._write(batch)
+            accepted = await self._write(batch, self._uncertain or any(o.uncertain for o in batch))
         except (psycopg.Error, OSError) as exc:
             log.warning("writing %d results failed (%s); retrying", len(batch), exc)
+            self._uncertain = True
             await asyncio.sleep(0.5)
             return
+        self._uncertain = False
         del self.pending[: len(batch)]
         if not self.pending and not self._stopped:
             self._has_work.clear()
         self.on_written(batch, accepted)
 
-    async def _write(self, batch: list[Outcome]) -> set[int]:
+    async def _write(self, batch: list[Outcome], uncertain: bool) -> set[int]:
         params = {
             "ids": [o.job_id for o in batch],
             "tokens": [o.lease_token for o in batch],
@@ -84,7 +92,19 @@ class Completer:
         }
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.q.complete_jobs, params)
-            return {int(row[0]) for row in await cur.fetchall()}
+            accepted = {int(row[0]) for row in await cur.fetchall()}
+            self.writes += 1
+            refused = [o for o in batch if o.job_id not in accepted]
+            if uncertain and refused:
+                cur = await conn.execute(
+                    self.q.applied_completions,
+                    {
+                        "ids": [o.job_id for o in refused],
+                        "tokens": [o.lease_token for o in refused],
+                    },
+                )
+                accepted.update(int(row[0]) for row in await cur.fetchall())
+            return accepted
 
     def stop(self) -> None:
         self._stopped = True

@@ -1,7 +1,8 @@
 """Runs one job and decides its outcome: success, retry (with backoff or Retry-After) or dead.
 
 Async handlers run on the event loop, plain functions in the worker's thread pool, so a slow
-synchronous handler never delays heartbeats. A timeout cancels an async handler; a sync one
+synchronous handler never delays heartbeats. A handler that takes a psycopg connection runs in a
+transaction that its success ack joins (see ``transactions``). A timeout cancels an async handler; a sync one
 cannot be interrupted, so it is abandoned (its thread runs on, its result is ignored) and the
 attempt fails at once, which releases the lease.
 """
@@ -13,18 +14,23 @@ import functools
 import json
 import time
 import traceback
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+import psycopg
+
 from ..context import JobContext
 from ..errors import Fail, Retry
 from ..jobs import Status
 from .state import ClaimedJob
+from .transactions import CommitUncertainError, Encoded, Transactions
 
 if TYPE_CHECKING:
     from ..app import App
+    from ..tasks import Task
 
 MAX_ERROR_CHARS = 8000
 
@@ -42,6 +48,11 @@ class Outcome:
     run_seconds: float
     queue: str
     pickup_seconds: float
+    #: None: the completer writes it. True/False: the handler's own transaction already wrote
+    #: it (transactional completion), and the lease was ours / had been lost.
+    written: bool | None = None
+    #: The write may have committed unseen (a failed COMMIT): the completer checks first.
+    uncertain: bool = False
 
 
 def format_error(exc: BaseException, *, with_traceback: bool = True) -> str:
@@ -61,11 +72,32 @@ class TaskTimeoutError(Exception):
     pass
 
 
+def encode_result(result: Any) -> Encoded:
+    """The handler's return value as stored JSON, or a note on why it could not be stored."""
+    if result is None:
+        return None, None
+    try:
+        return json.dumps(result, ensure_ascii=False, allow_nan=False), None
+    except (TypeError, ValueError) as exc:
+        return None, f"ResultNotStored: the handler's result is not JSON-serialisable ({exc})"
+
+
+async def _no_ack(call: Awaitable[Any]) -> tuple[Any, None]:
+    return await call, None
+
+
 class Executor:
-    def __init__(self, app: App, worker_id: UUID, threads: ThreadPoolExecutor) -> None:
+    def __init__(
+        self,
+        app: App,
+        worker_id: UUID,
+        threads: ThreadPoolExecutor,
+        transactions: Transactions,
+    ) -> None:
         self.app = app
         self.worker_id = worker_id
         self.threads = threads
+        self.transactions = transactions
 
     def context(self, job: ClaimedJob, lease_seconds: float) -> JobContext:
         return JobContext(
@@ -83,7 +115,7 @@ class Executor:
         """Run the handler; never raises except CancelledError (lease lost or shutdown)."""
         started = time.monotonic()
         try:
-            result = await self._call(job, lease_seconds)
+            result, written = await self._call(job, lease_seconds, started)
         except asyncio.CancelledError:
             raise
         except Retry as exc:
@@ -93,10 +125,17 @@ class Executor:
         except Exception as exc:
             task = self.app.tasks.get(job.task)
             backoff = (task.backoff if task else None) or self.app.backoff
-            return self._retry(job, started, backoff.delay(job.attempt), exc)
-        return self._success(job, started, result)
+            outcome = self._retry(job, started, backoff.delay(job.attempt), exc)
+            outcome.uncertain = isinstance(exc, CommitUncertainError)
+            return outcome
+        outcome = self._success(job, started, result)
+        outcome.written = written
+        return outcome
 
-    async def _call(self, job: ClaimedJob, lease_seconds: float) -> Any:
+    async def _call(
+        self, job: ClaimedJob, lease_seconds: float, started: float
+    ) -> tuple[Any, bool | None]:
+        """The handler's result, and whether its own transaction wrote the ack (see Outcome)."""
         task = self.app.tasks.get(job.task)
         if task is None:
             known = ", ".join(sorted(self.app.tasks)) or "none"
@@ -107,11 +146,16 @@ class Executor:
         kwargs = dict(job.args)
         if task.context_param:
             kwargs[task.context_param] = self.context(job, lease_seconds)
-        if task.is_async:
-            call = task.func(**kwargs)
+        call: Awaitable[tuple[Any, bool | None]]
+        if task.connection_param:
+            call = self._call_in_transaction(task, job, kwargs, started)
+        elif task.is_async:
+            call = _no_ack(task.func(**kwargs))
         else:
             loop = asyncio.get_running_loop()
-            call = loop.run_in_executor(self.threads, functools.partial(task.func, **kwargs))
+            call = _no_ack(
+                loop.run_in_executor(self.threads, functools.partial(task.func, **kwargs))
+            )
         if task.timeout is None:
             return await call
         try:
@@ -121,6 +165,31 @@ class Executor:
                 f"task {job.task!r} exceeded its timeout of {task.timeout:g} s"
             ) from None
 
+    def _call_in_transaction(
+        self, task: Task[Any, Any], job: ClaimedJob, kwargs: dict[str, Any], started: float
+    ) -> Awaitable[tuple[Any, bool]]:
+        param = task.connection_param
+        assert param is not None
+
+        def clock() -> float:
+            return time.monotonic() - started
+
+        if task.is_async:
+
+            async def call_async(conn: psycopg.AsyncConnection[Any]) -> Any:
+                return await task.func(**kwargs, **{param: conn})
+
+            return self.transactions.run_async(job, call_async, encode_result, clock)
+
+        def call_sync(conn: psycopg.Connection[Any]) -> Any:
+            return task.func(**kwargs, **{param: conn})
+
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(
+            self.threads,
+            functools.partial(self.transactions.run_sync, job, call_sync, encode_result, clock),
+        )
+
     def _retry(self, job: ClaimedJob, started: float, delay: float, exc: BaseException) -> Outcome:
         traceback_wanted = not isinstance(exc, Retry | TaskTimeoutError | LookupError)
         error = format_error(exc, with_traceback=traceback_wanted)
@@ -129,14 +198,8 @@ class Executor:
         return self._outcome(job, started, Status.RETRYING, delay, error)
 
     def _success(self, job: ClaimedJob, started: float, result: Any) -> Outcome:
-        if result is None:
-            return self._outcome(job, started, Status.SUCCEEDED, None, None)
-        try:
-            text = json.dumps(result, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            note = f"ResultNotStored: the handler's result is not JSON-serialisable ({exc})"
-            return self._outcome(job, started, Status.SUCCEEDED, None, note)
-        return self._outcome(job, started, Status.SUCCEEDED, None, None, text)
+        text, note = encode_result(result)
+        return self._outcome(job, started, Status.SUCCEEDED, None, note, text)
 
     def _outcome(
         self,

@@ -41,12 +41,18 @@ class Reaper:
         self.lease = lease
         self.retention = retention
         self.rounds = 0
+        #: Test hook: seconds to stall between finding an expired lease and updating it.
+        self.pause_for_tests = 0.0
 
     async def reap(self) -> int:
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 self.q.reap_expired_leases,
-                {"backoff_base": self.backoff.base, "backoff_cap": self.backoff.cap},
+                {
+                    "backoff_base": self.backoff.base,
+                    "backoff_cap": self.backoff.cap,
+                    "pause": self.pause_for_tests,
+                },
             )
             rows = await cur.fetchall()
         for job_id, status, attempts in rows:

@@ -31,6 +31,7 @@ from .reaper import Reaper
 from .scheduler import Scheduler
 from .state import ClaimedJob, Held, Phase, WorkerState
 from .statistics import StatsWriter
+from .transactions import Transactions
 
 if TYPE_CHECKING:
     from ..app import App
@@ -136,7 +137,10 @@ class Worker:
         )
         await pool.open()
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="pgqueue-task")
-        self.executor = Executor(self.app, self.id, threads)
+        self.transactions = Transactions(
+            dsn, q, self.concurrency, application_name=f"{name}:handler"
+        )
+        self.executor = Executor(self.app, self.id, threads, self.transactions)
         self.completer = Completer(pool, q, self._on_written, flush_interval=self.flush_interval)
         self.fetcher = Fetcher(
             pool,
@@ -214,6 +218,7 @@ class Worker:
             for task in [fetcher, *services]:
                 task.cancel()
             await self.heartbeat.close()
+            await self.transactions.close()
             await pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
             self._remove_signals()
@@ -348,6 +353,9 @@ class Worker:
         finally:
             self.state.running -= 1
             self.state.wakeup.set()
+        if outcome.written is not None:  # the handler's transaction wrote it already
+            self._on_written([outcome], {outcome.job_id} if outcome.written else set())
+            return
         held.phase = Phase.ACKING
         self.completer.submit(outcome)
 
@@ -356,6 +364,7 @@ class Worker:
         if not held.lost:
             held.lost = True
             self._count_stale(held.job.id)
+            self.recorder.record(held.job.queue, "lost", None, None)
         held.phase = Phase.ABANDONED
         if held.handler is not None and not held.handler.done():
             held.handler.cancel()

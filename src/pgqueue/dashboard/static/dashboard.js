@@ -79,8 +79,11 @@
 
   function renderThroughput(tp) {
     if (!window.uPlot) return;
-    const total = tp.succeeded.map((s, i) => (s === null ? null : s + tp.failed[i]));
-    const data = [tp.t, total, tp.succeeded];
+    // Seconds not settled yet are gaps, not a drop to zero at the chart's right edge.
+    const open = (i) => tp.settled_until !== undefined && tp.t[i] > tp.settled_until;
+    const succeeded = tp.succeeded.map((s, i) => (open(i) ? null : s));
+    const total = tp.succeeded.map((s, i) => (open(i) ? null : s + tp.failed[i]));
+    const data = [tp.t, total, succeeded];
     if (!state.charts.tp) {
       const node = $("chart-throughput");
       const ok = cssVar("--ok"), bad = cssVar("--bad");

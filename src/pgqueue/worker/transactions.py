@@ -1,0 +1,126 @@
+"""Transactional completion: a handler that takes a psycopg connection gets one inside a
+transaction, and its success ack is written in that same transaction before it commits.
+
+The ack is fenced like every other (``complete_jobs``: id and lease token, still running), so if
+the lease was lost while the handler ran, the ack matches nothing and the whole transaction,
+the handler's writes included, rolls back. A job's database effects therefore commit exactly
+once even when the job runs twice.
+
+Handler transactions use pools of their own (opened on first use, one connection per slot), so
+long handlers never starve the claims and acks on the worker's pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from ..sql import Queries
+from .state import ClaimedJob
+
+#: What the handler produced, as stored: (result JSON or None, a note for last_error or None).
+Encoded = tuple[str | None, str | None]
+
+
+class CommitUncertainError(Exception):
+    """The COMMIT of a handler's transaction failed on the client side: it may have committed."""
+
+
+def _ack_params(job: ClaimedJob, encoded: Encoded, run_seconds: float) -> dict[str, Any]:
+    result, note = encoded
+    return {
+        "ids": [job.id],
+        "tokens": [job.lease_token],
+        "statuses": ["succeeded"],
+        "delays": [0.0],
+        "errors": [note],
+        "results": [result],
+        "run_seconds": [run_seconds],
+    }
+
+
+class Transactions:
+    def __init__(self, dsn: str, q: Queries, size: int, application_name: str) -> None:
+        self.dsn = dsn
+        self.q = q
+        self.size = size
+        self.kwargs = {"autocommit": False, "application_name": application_name}
+        self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._lock = threading.Lock()
+
+    async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        if self._async is None:
+            pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+                self.dsn, min_size=0, max_size=self.size, open=False, kwargs=self.kwargs
+            )
+            await pool.open()
+            self._async = pool
+        return self._async
+
+    def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
+        with self._lock:
+            if self._sync is None:
+                self._sync = ConnectionPool(
+                    self.dsn, min_size=0, max_size=self.size, open=True, kwargs=self.kwargs
+                )
+            return self._sync
+
+    async def run_async(
+        self,
+        job: ClaimedJob,
+        call: Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]],
+        encode: Callable[[Any], Encoded],
+        clock: Callable[[], float],
+    ) -> tuple[Any, bool]:
+        """Run ``call`` in a transaction and ack in it; (result, whether the ack was ours)."""
+        pool = await self._async_pool()
+        acked = False
+        async with pool.connection() as conn:
+            try:
+                async with conn.transaction():
+                    result = await call(conn)
+                    params = _ack_params(job, encode(result), clock())
+                    cur = await conn.execute(self.q.complete_jobs, params)
+                    if not await cur.fetchall():
+                        raise psycopg.Rollback()  # the lease is gone: none of it may stay
+                    acked = True
+            except (psycopg.OperationalError, OSError) as exc:
+                if acked:
+                    raise CommitUncertainError(f"COMMIT failed: {exc}") from exc
+                raise
+        return result, acked
+
+    def run_sync(
+        self,
+        job: ClaimedJob,
+        call: Callable[[psycopg.Connection[Any]], Any],
+        encode: Callable[[Any], Encoded],
+        clock: Callable[[], float],
+    ) -> tuple[Any, bool]:
+        """The same for a sync handler, in its worker thread."""
+        acked = False
+        with self._sync_pool().connection() as conn:
+            try:
+                with conn.transaction():
+                    result = call(conn)
+                    params = _ack_params(job, encode(result), clock())
+                    if not conn.execute(self.q.complete_jobs, params).fetchall():
+                        raise psycopg.Rollback()
+                    acked = True
+            except (psycopg.OperationalError, OSError) as exc:
+                if acked:
+                    raise CommitUncertainError(f"COMMIT failed: {exc}") from exc
+                raise
+        return result, acked
+
+    async def close(self) -> None:
+        if self._async is not None:
+            await self._async.close()
+        if self._sync is not None:
+            await asyncio.to_thread(self._sync.close)

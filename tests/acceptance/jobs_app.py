@@ -1,0 +1,52 @@
+"""The app that the worker acceptance tests run as `pgqueue worker --app ...` subprocesses.
+
+Each attempt records its start, and its end (``done`` or ``cancelled``), in ``history_runs``
+(see tests/history.py) on a pool of its own, so the tests can compare the history with
+``pgqueue_jobs`` in SQL. Backoff is short so that retries after a reap come quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+import pgqueue
+
+app = pgqueue.App(backoff=pgqueue.Backoff(base=0.1, cap=0.5))
+
+_pool: AsyncConnectionPool[psycopg.AsyncConnection[tuple[object, ...]]] | None = None
+
+
+async def _record(ctx: pgqueue.JobContext, event: str) -> None:
+    global _pool
+    if _pool is None:
+        _pool = AsyncConnectionPool(
+            app.dsn, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+        )
+        await _pool.open()
+    async with _pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO history_runs (job_id, attempt, lease_token, pid, event)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            (ctx.job_id, ctx.attempt, ctx.lease_token, os.getpid(), event),
+        )
+
+
+@app.task(max_attempts=10)
+async def work(
+    ctx: pgqueue.JobContext, seconds: float = 0.0, first_attempt_seconds: float | None = None
+) -> int:
+    """Sleeps (longer on the first attempt if asked) and returns the attempt number, so the
+    stored result tells which attempt's write won."""
+    await _record(ctx, "start")
+    pause = first_attempt_seconds if ctx.attempt == 1 and first_attempt_seconds else seconds
+    try:
+        await asyncio.sleep(pause)
+    except asyncio.CancelledError:
+        await _record(ctx, "cancelled")
+        raise
+    await _record(ctx, "done")
+    return ctx.attempt

@@ -1,0 +1,153 @@
+"""What works behind PgBouncer, with a real PgBouncer in front of the test database: the claims of
+docs/guides/pgbouncer.md.
+
+PgBouncer comes from the system (Debian's `pgbouncer` package; .ci/run installs it). It refuses
+to run as root, so as root it runs as the `postgres` user, like the test cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+import pgqueue
+from pgqueue.dashboard.database import session_options
+from pgqueue.embedded import free_port
+from tests.helpers import wait_until, worker_process
+
+pytestmark = pytest.mark.acceptance
+
+PGBOUNCER = shutil.which("pgbouncer") or next(
+    (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.path.exists(p)), None
+)
+requires_pgbouncer = pytest.mark.skipif(PGBOUNCER is None, reason="pgbouncer is not installed")
+APP = "examples.quickstart:app"
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+def version() -> tuple[int, ...]:
+    assert PGBOUNCER is not None
+    out = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True, check=True)
+    match = re.search(r"PgBouncer (\d+)\.(\d+)", out.stdout)
+    assert match, out.stdout
+    return int(match[1]), int(match[2])
+
+
+@contextlib.contextmanager
+def pgbouncer(dsn: str, mode: str, **settings: str) -> Iterator[str]:
+    """PgBouncer in ``mode`` in front of ``dsn``'s server; yields a DSN that goes through it."""
+    assert PGBOUNCER is not None
+    params = conninfo.conninfo_to_dict(dsn)
+    user = str(params.get("user") or pwd.getpwuid(os.getuid()).pw_name)
+    tmp = Path(tempfile.mkdtemp(prefix="pgqueue-pgbouncer-"))
+    demote: Callable[[], None] | None = None
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(tmp, pw.pw_uid, pw.pw_gid)
+
+        def demote() -> None:
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+
+    port = free_port()
+    (tmp / "users.txt").write_text(f'"{user}" ""\n')
+    extra = "".join(f"{key} = {value}\n" for key, value in settings.items())
+    (tmp / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host={params.get('host', '127.0.0.1')} port={params.get('port', '5432')}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {tmp}/users.txt\n"
+        f"pool_mode = {mode}\nmax_client_conn = 200\ndefault_pool_size = 20\n"
+        f"logfile = {tmp}/pgbouncer.log\n{extra}"
+    )
+    proc = subprocess.Popen(
+        [PGBOUNCER, str(tmp / "pgbouncer.ini")], preexec_fn=demote, stderr=subprocess.DEVNULL
+    )
+    through = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(port))
+    try:
+
+        def accepting() -> bool:
+            try:
+                psycopg.connect(through, connect_timeout=2).close()
+            except psycopg.OperationalError:
+                assert proc.poll() is None, (tmp / "pgbouncer.log").read_text()
+                return False
+            return True
+
+        wait_until(accepting, timeout=15, interval=0.1)
+        yield through
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def succeeded(conn: Conn) -> int:
+    row = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@requires_pgbouncer
+@pytest.mark.timeout(120)
+def test_session_pooling_runs_producers_and_a_listening_worker(dsn: str, conn: Conn) -> None:
+    with pgbouncer(dsn, "session") as through:
+        producer = pgqueue.App(through)
+        try:
+            for n in range(20):
+                producer.enqueue("greet", {"name": f"user{n}"}, allow_unknown=True)
+            # A 60 s poll: a job enqueued after the first batch runs promptly only if the
+            # worker's LISTEN through PgBouncer receives the NOTIFY.
+            with worker_process(through, "--poll-interval", "60", "--concurrency", "4", app=APP):
+                wait_until(lambda: succeeded(conn) == 20, timeout=60)
+                producer.enqueue("greet", {"name": "late"}, allow_unknown=True)
+                wait_until(lambda: succeeded(conn) == 21, timeout=20)
+        finally:
+            producer.close()
+
+
+@requires_pgbouncer
+@pytest.mark.timeout(120)
+def test_transaction_pooling_needs_pgbouncers_prepared_statement_support(
+    dsn: str, conn: Conn
+) -> None:
+    """Before 1.21 PgBouncer cannot carry psycopg's prepared statements across server
+    connections; from 1.21, with max_prepared_statements, producers and a --no-listen worker
+    work."""
+    supported = version() >= (1, 21)
+    settings = {"max_prepared_statements": "200"} if supported else {}
+    jobs = 40  # psycopg prepares a statement after a few executions on a connection
+    with pgbouncer(dsn, "transaction", **settings) as through:
+        producer = pgqueue.App(through)
+        try:
+            if not supported:
+                with pytest.raises(psycopg.errors.ProgrammingError, match="prepared statement"):
+                    for _ in range(jobs):
+                        producer.enqueue("greet", {"name": "x"}, allow_unknown=True)
+                return
+            for _ in range(jobs):
+                producer.enqueue("greet", {"name": "x"}, allow_unknown=True)
+        finally:
+            producer.close()
+        with worker_process(through, "--no-listen", "--poll-interval", "0.2", app=APP):
+            wait_until(lambda: succeeded(conn) == jobs, timeout=60)
+
+
+@requires_pgbouncer
+def test_pgbouncer_refuses_the_dashboards_read_only_session_options(dsn: str) -> None:
+    with pgbouncer(dsn, "session") as through, pytest.raises(psycopg.OperationalError) as error:
+        psycopg.connect(through, **session_options(through, 5000)).close()
+    assert "unsupported" in str(error.value)

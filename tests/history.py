@@ -1,0 +1,130 @@
+"""A history of every attempt and every state change, kept in the test database, so that after a
+run of real worker processes plain SQL can decide what happened.
+
+- ``history_runs``: written by the handlers of ``tests.acceptance.jobs_app`` (start, done,
+  cancelled), with the attempt, the lease token of the claim, the pid and the database clock.
+- ``history_transitions``: written by a trigger on every status change of a job, with the old
+  and new lease token, the old lease expiry and the new error, so a re-run can be matched to
+  the reap of the lease before it.
+
+Test-only: pgqueue itself never installs these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+INSTALL = """
+CREATE TABLE IF NOT EXISTS history_runs (
+    seq         bigserial PRIMARY KEY,
+    job_id      bigint NOT NULL,
+    attempt     integer NOT NULL,
+    lease_token uuid NOT NULL,
+    pid         integer NOT NULL,
+    event       text NOT NULL,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS history_transitions (
+    seq         bigserial PRIMARY KEY,
+    job_id      bigint NOT NULL,
+    old_status  text NOT NULL,
+    new_status  text NOT NULL,
+    old_token   uuid,
+    new_token   uuid,
+    old_expires timestamptz,
+    new_error   text,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE OR REPLACE FUNCTION history_log_transition() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO history_transitions
+        (job_id, old_status, new_status, old_token, new_token, old_expires, new_error)
+    VALUES (NEW.id, OLD.status::text, NEW.status::text, OLD.lease_token, NEW.lease_token,
+            OLD.lease_expires_at, left(NEW.last_error, 200));
+    RETURN NULL;
+END;
+$$;
+DROP TRIGGER IF EXISTS history_transitions ON pgqueue_jobs;
+CREATE TRIGGER history_transitions AFTER UPDATE ON pgqueue_jobs
+    FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status)
+    EXECUTE FUNCTION history_log_transition();
+"""
+
+
+def install(conn: Conn) -> None:
+    conn.execute(INSTALL)
+
+
+@dataclass(frozen=True)
+class Run:
+    job_id: int
+    attempt: int
+    lease_token: UUID
+    pid: int
+    at: datetime
+
+
+def starts(conn: Conn) -> dict[int, list[Run]]:
+    """Every started attempt, by job, in attempt order."""
+    runs: dict[int, list[Run]] = {}
+    for job_id, attempt, token, pid, at in conn.execute(
+        "SELECT job_id, attempt, lease_token, pid, at FROM history_runs"
+        " WHERE event = 'start' ORDER BY job_id, attempt, seq"
+    ).fetchall():
+        runs.setdefault(job_id, []).append(Run(job_id, attempt, token, pid, at))
+    return runs
+
+
+def ended_by(conn: Conn, job_id: int, token: UUID) -> str | None:
+    """How the attempt holding lease ``token`` ended: ``reaped`` (its lease had expired and a
+    reaper took the job back), ``failed`` (its own failure ack), or None if neither."""
+    row = conn.execute(
+        "SELECT new_error LIKE 'LeaseExpired:%%' AND at >= old_expires,"
+        "       new_error NOT LIKE 'LeaseExpired:%%'"
+        " FROM history_transitions WHERE job_id = %s AND old_token = %s"
+        " AND old_status = 'running' AND new_status IN ('retrying', 'dead')",
+        (job_id, token),
+    ).fetchone()
+    if row is None:
+        return None
+    return "reaped" if row[0] else "failed" if row[1] else None
+
+
+def claims(conn: Conn) -> dict[int, list[UUID]]:
+    """The lease token of every claim, by job, in order (from the transitions to running)."""
+    found: dict[int, list[UUID]] = {}
+    for job_id, token in conn.execute(
+        "SELECT job_id, new_token FROM history_transitions WHERE new_status = 'running'"
+        " ORDER BY job_id, seq"
+    ).fetchall():
+        found.setdefault(job_id, []).append(token)
+    return found
+
+
+def unexplained_duplicates(conn: Conn, *, failures_explain: bool = False) -> list[tuple[int, UUID]]:
+    """(job, lease token) of every claim that was followed by another claim of the same job
+    although its lease was not reaped after expiring (nor, with ``failures_explain``, did its
+    attempt fail). Empty means every repeated execution is explained by a lost lease."""
+    allowed = {"reaped", "failed"} if failures_explain else {"reaped"}
+    return [
+        (job_id, token)
+        for job_id, tokens in claims(conn).items()
+        for token in tokens[:-1]
+        if ended_by(conn, job_id, token) not in allowed
+    ]
+
+
+def duplicate_executions(conn: Conn) -> int:
+    """Handler starts beyond the first, over all jobs."""
+    row = conn.execute(
+        "SELECT count(*) - count(DISTINCT job_id) FROM history_runs WHERE event = 'start'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])

@@ -1,0 +1,162 @@
+"""The guides' examples (examples/), run against a real PostgreSQL: what the docs show works."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+import pgqueue
+from examples import quickstart
+from examples.shop import tasks
+from tests.helpers import running_worker, wait_until_async
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+@pytest.fixture
+def shop(dsn: str, conn: Conn, monkeypatch: pytest.MonkeyPatch) -> Iterator[pgqueue.App]:
+    """The shop app on this test's database, with its orders table."""
+    monkeypatch.setenv("PGQUEUE_DSN", dsn)
+    conn.execute(tasks.CREATE_ORDERS)
+    try:
+        yield tasks.app
+    finally:
+        tasks.app.close()
+
+
+def receipts(conn: Conn) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        "SELECT o.id, j.queue FROM orders o"
+        " JOIN pgqueue_jobs j ON j.task = 'send_receipt' AND (j.args->>'order_id')::bigint = o.id"
+    ).fetchall()
+
+
+def counts(conn: Conn) -> tuple[int, int]:
+    row = conn.execute(
+        "SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM pgqueue_jobs)"
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+async def test_quickstart_task_runs_in_a_worker(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGQUEUE_DSN", dsn)
+    app = quickstart.app
+    try:
+        job_id = await quickstart.greet.enqueue_async(name="Ada")
+        async with running_worker(app, concurrency=2):
+
+            async def done() -> pgqueue.Job | None:
+                job = app.get_job(job_id)
+                return job if job and job.status is pgqueue.Status.SUCCEEDED else None
+
+            job = await wait_until_async(done, timeout=30)
+        assert job.result == "Hello, Ada!"
+        assert job.queue == "greetings"
+    finally:
+        app.close()
+        await app.aclose()
+
+
+def test_psycopg_order_and_receipt_commit_together(dsn: str, conn: Conn, shop: pgqueue.App) -> None:
+    from examples.shop.orders_psycopg import place_order
+
+    with psycopg.connect(dsn) as own:
+        order_id = place_order(own, "ada", 4200)
+    assert receipts(conn) == [(order_id, "emails")]
+
+
+def test_psycopg_rollback_leaves_neither_order_nor_job(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    from examples.shop.orders_psycopg import place_order
+
+    with psycopg.connect(dsn) as own, pytest.raises(RuntimeError), own.transaction():
+        place_order(own, "ada", 4200)
+        raise RuntimeError("payment provider said no")
+    assert counts(conn) == (0, 0)
+
+
+def test_sqlalchemy_order_and_receipt_commit_or_roll_back_together(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    from sqlalchemy import URL, create_engine
+    from sqlalchemy.orm import Session
+
+    from examples.shop.orders_sqlalchemy import place_order
+
+    params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items() if v is not None}
+    url = URL.create(
+        "postgresql+psycopg", username=params.get("user"), host=params.get("host"),
+        port=int(params.get("port") or 5432), database=params.get("dbname"),
+    )  # fmt: skip
+    engine = create_engine(url)
+    try:
+        with Session(engine) as session, session.begin():
+            order_id = place_order(session, "ada", 4200)
+        assert receipts(conn) == [(order_id, "emails")]
+
+        with pytest.raises(RuntimeError), Session(engine) as session, session.begin():
+            place_order(session, "grace", 100)
+            raise RuntimeError("out of stock")
+        assert counts(conn) == (1, 1)
+    finally:
+        engine.dispose()
+
+
+async def test_fastapi_endpoints_enqueue(conn: Conn, shop: pgqueue.App) -> None:
+    import httpx2
+
+    from examples.shop.fastapi_app import api
+
+    transport = httpx2.ASGITransport(app=api)
+    try:
+        async with httpx2.AsyncClient(transport=transport, base_url="http://test") as client:
+            created = await client.post("/orders", json={"customer": "ada", "total_cents": 4200})
+            assert created.status_code == 201
+            order_id = created.json()["order_id"]
+            resent = await client.post(f"/orders/{order_id}/resend-receipt")
+            assert resent.status_code == 202
+        assert receipts(conn) == [(order_id, "emails"), (order_id, "emails")]
+        job = shop.get_job(resent.json()["job_id"])
+        assert job is not None and job.args == {"order_id": order_id}
+    finally:
+        await shop.aclose()
+
+
+def test_django_order_and_receipt_commit_or_roll_back_together(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    import django
+    from django.conf import settings
+    from django.db import connections, transaction
+
+    params = conninfo.conninfo_to_dict(dsn)
+    database = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": params["dbname"],
+        "USER": params.get("user", ""),
+        "HOST": params.get("host", ""),
+        "PORT": params.get("port", ""),
+    }
+    if not settings.configured:
+        settings.configure(DATABASES={"default": database}, USE_TZ=True)
+        django.setup()
+    else:
+        connections.close_all()
+        settings.DATABASES["default"].update(database)
+    from examples.shop.django_orders import place_order
+
+    try:
+        order_id = place_order("ada", 4200)
+        assert receipts(conn) == [(order_id, "emails")]
+        with pytest.raises(RuntimeError), transaction.atomic():
+            place_order("grace", 100)
+            raise RuntimeError("out of stock")
+        assert counts(conn) == (1, 1)
+    finally:
+        connections.close_all()

@@ -1,0 +1,276 @@
+"""Leases, fencing, the reaper, heartbeats and LISTEN recovery, on a real database.
+
+The statement-level tests drive the worker's own named statements by hand, so each race is set
+up exactly; the in-process tests show the runtime reacting to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+import pgqueue
+from pgqueue.jobs import Status
+from pgqueue.worker.completer import Completer
+from pgqueue.worker.executor import Outcome
+from tests.helpers import running_worker, wait_until, wait_until_async
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
+BACKOFF = {"backoff_base": 1.0, "backoff_cap": 3600.0, "pause": 0.0}
+
+
+def claim(app: pgqueue.App, conn: Conn, worker: uuid.UUID, lease: float = 30) -> list[Any]:
+    return conn.execute(
+        app.q.claim_jobs, {"lease": lease, "worker_id": worker, "limit": 10}
+    ).fetchall()
+
+
+def complete(app: pgqueue.App, conn: Conn, job_id: int, token: uuid.UUID) -> list[Any]:
+    return conn.execute(
+        app.q.complete_jobs,
+        {
+            "ids": [job_id],
+            "tokens": [token],
+            "statuses": ["succeeded"],
+            "delays": [0.0],
+            "errors": [None],
+            "results": ['"late"'],
+            "run_seconds": [0.1],
+        },
+    ).fetchall()
+
+
+def expire(conn: Conn, job_id: int) -> None:
+    conn.execute(
+        "UPDATE pgqueue_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
+        (job_id,),
+    )
+
+
+def row(conn: Conn, job_id: int) -> tuple[Any, ...]:
+    found = conn.execute(
+        "SELECT status::text, attempts, lease_token, worker_id, result, last_error"
+        " FROM pgqueue_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert found is not None
+    return found
+
+
+def test_stale_worker_cannot_complete_reclaimed_job(app: pgqueue.App, conn: Conn) -> None:
+    job_id = app.enqueue("t", {}, allow_unknown=True)
+    worker_a, worker_b = uuid.uuid4(), uuid.uuid4()
+    ((_, *_, token_a, _),) = claim(app, conn, worker_a)
+    expire(conn, job_id)
+    assert conn.execute(app.q.reap_expired_leases, BACKOFF).fetchall() == [(job_id, "retrying", 1)]
+    conn.execute("UPDATE pgqueue_jobs SET run_at = now() WHERE id = %s", (job_id,))
+    ((_, *_, token_b, _),) = claim(app, conn, worker_b)
+    assert token_b != token_a
+
+    # Every write of the stalled holder A changes nothing.
+    assert complete(app, conn, job_id, token_a) == []
+    extend = {"worker_id": worker_a, "host": "h", "pid": 1, "queues": None, "concurrency": 1}
+    extend |= {"stale_writes": 0, "lease": 30, "ids": [job_id], "tokens": [token_a]}
+    assert conn.execute(app.q.extend_leases, extend).fetchall() == []
+    release = {"ids": [job_id], "tokens": [token_a]}
+    assert conn.execute(app.q.release_leases, release).fetchall() == []
+    assert row(conn, job_id)[:4] == ("running", 2, token_b, worker_b)
+
+    # The current holder's ack is accepted.
+    assert complete(app, conn, job_id, token_b) == [(job_id,)]
+    assert row(conn, job_id)[:2] == ("succeeded", 2)
+
+
+def test_reaper_counts_the_attempt_and_buries_jobs_out_of_attempts(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    last_try = app.enqueue("t", {}, max_attempts=1, allow_unknown=True)
+    more = app.enqueue("t", {}, max_attempts=3, allow_unknown=True)
+    claim(app, conn, uuid.uuid4())
+    expire(conn, last_try)
+    expire(conn, more)
+    reaped = sorted(conn.execute(app.q.reap_expired_leases, BACKOFF).fetchall())
+    assert reaped == [(last_try, "dead", 1), (more, "retrying", 1)]
+    status, attempts, token, worker, _, error = row(conn, last_try)
+    assert (status, attempts, token, worker) == ("dead", 1, None, None)
+    assert error.startswith("LeaseExpired: worker ")
+    delay = conn.execute(
+        "SELECT extract(epoch FROM run_at - now())::float8 FROM pgqueue_jobs WHERE id = %s",
+        (more,),
+    ).fetchone()
+    assert delay is not None and -1 <= delay[0] <= 1.0  # uniform(0, base) after attempt 1
+
+
+def test_reaper_leaves_a_live_lease_and_a_job_being_completed_alone(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    live = app.enqueue("t", {}, allow_unknown=True)
+    finishing = app.enqueue("t", {}, allow_unknown=True)
+    tokens = {r[0]: r[6] for r in claim(app, conn, uuid.uuid4())}
+    expire(conn, finishing)
+    with psycopg.connect(dsn) as completing, ThreadPoolExecutor(1) as pool:
+        # The holder's ack is in flight (row locked, not yet committed) when the reaper runs.
+        assert complete(app, completing, finishing, tokens[finishing]) == [(finishing,)]
+
+        def reap() -> list[Any]:
+            with psycopg.connect(dsn, autocommit=True) as reaper:
+                return reaper.execute(app.q.reap_expired_leases, BACKOFF).fetchall()
+
+        reaping = pool.submit(reap)
+        wait_until(lambda: waiting_on_a_lock(conn))
+        completing.commit()
+        # It waited for the ack, then re-checked the row: no longer running, so untouched.
+        assert reaping.result(10) == []
+    assert row(conn, finishing)[:2] == ("succeeded", 1)
+    assert row(conn, live)[:3] == ("running", 1, tokens[live])
+
+
+def waiting_on_a_lock(conn: Conn) -> bool:
+    found = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return found == (1,)
+
+
+async def test_ack_whose_commit_went_unseen_is_recognised_not_counted_stale(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    job_id = app.enqueue("t", {}, allow_unknown=True)
+    ((_, *_, token, _),) = claim(app, conn, uuid.uuid4())
+    written: list[set[int]] = []
+    outcome = Outcome(job_id, token, Status.SUCCEEDED, None, None, '"ok"', 0.1, "default", 0.0)
+    async with AsyncConnectionPool(
+        dsn, min_size=1, open=False, kwargs={"autocommit": True}
+    ) as pool:
+        completer = Completer(pool, app.q, lambda _batch, accepted: written.append(accepted))
+        completer.submit(outcome)
+        await completer.flush_once()
+        assert written == [{job_id}]
+        # The same ack again, as after a write whose COMMIT reached the server but whose reply
+        # was lost: the row already carries our token, so it is ours, not a stale write.
+        completer._uncertain = True
+        completer.submit(outcome)
+        await completer.flush_once()
+        assert written[-1] == {job_id}
+        # Without that doubt a repeated ack is refused like any stale write.
+        completer.submit(outcome)
+        await completer.flush_once()
+        assert written[-1] == set()
+    assert row(conn, job_id)[:3] == ("succeeded", 1, token)
+
+
+async def test_heartbeat_that_finds_the_lease_gone_cancels_the_handler(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    @app.task
+    async def long_running() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    job_id = long_running.enqueue()
+    async with running_worker(app, **FAST) as worker:
+        await asyncio.wait_for(started.wait(), 10)
+        # Another holder took over (as after a reap and a re-claim elsewhere).
+        conn.execute(
+            "UPDATE pgqueue_jobs SET lease_token = gen_random_uuid() WHERE id = %s", (job_id,)
+        )
+        await asyncio.wait_for(cancelled.wait(), 10)
+        assert worker.state is not None
+        assert worker.state.counters.stale_writes == 1
+        # The next heartbeat reports the refused write on the worker's row.
+        await wait_until_async(
+            lambda: (
+                conn.execute(
+                    "SELECT stale_writes FROM pgqueue_workers WHERE id = %s", (worker.id,)
+                ).fetchone()
+                == (1,)
+            )
+        )
+    status, attempts, *_ = row(conn, job_id)
+    assert (status, attempts) == ("running", 1)  # untouched: it belongs to the other holder
+
+
+async def test_late_result_of_a_lost_lease_is_refused_and_counted(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    @app.task
+    async def slow() -> str:
+        started.set()
+        await finish.wait()
+        return "stale"
+
+    job_id = slow.enqueue()
+    # Heartbeats far apart, so the ack is the first write to meet the new holder's token.
+    options = {**FAST, "lease": 60.0, "heartbeat_interval": 30.0}
+    async with running_worker(app, **options) as worker:
+        await asyncio.wait_for(started.wait(), 10)
+        new_token = uuid.uuid4()
+        conn.execute("UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (new_token, job_id))
+        finish.set()
+        assert worker.state is not None
+        state = worker.state
+        await wait_until_async(lambda: state.counters.stale_writes == 1)
+        assert state.counters.succeeded == 0
+        assert job_id not in state.held
+    assert row(conn, job_id)[:3] == ("running", 1, new_token)
+    assert row(conn, job_id)[4] is None
+
+
+async def test_acks_are_batched_many_per_statement(app: pgqueue.App, conn: Conn) -> None:
+    @app.task
+    async def instant() -> None:
+        return None
+
+    app.enqueue_many([("instant", {}) for _ in range(300)])
+    async with running_worker(app, concurrency=50, **FAST) as worker:
+        await wait_until_async(
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'"
+                ).fetchone()
+                == (300,)
+            ),
+            timeout=30,
+        )
+        writes = worker.completer.writes
+    assert writes <= 300 / 3, f"{writes} ack statements for 300 jobs"
+
+
+async def test_listen_comes_back_after_its_connection_is_killed(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    done: list[int] = []
+
+    @app.task
+    async def ping(n: int) -> None:
+        done.append(n)
+
+    # Polling once a minute: a job finishing within seconds was woken by NOTIFY.
+    options = {**FAST, "poll_interval": 60.0}
+    async with running_worker(app, **options) as worker:
+        await wait_until_async(worker.notifier.listening.is_set)
+        killed = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'pgqueue-worker:%%:listen' AND datname = current_database()"
+        ).fetchall()
+        assert killed == [(True,)]
+        await wait_until_async(lambda: worker.notifier.reconnects >= 1)
+        await wait_until_async(worker.notifier.listening.is_set)
+        for n in range(3):
+            ping.enqueue(n=n)
+            await wait_until_async(lambda: len(done) == n + 1, timeout=10)  # noqa: B023
