@@ -140,11 +140,15 @@ async def screenshot(url: str, out: Path, width: int, height: int, full_page: bo
         await page.goto(url)
         await page.locator("#conn[data-state='live']").wait_for(timeout=20_000)
         await page.wait_for_timeout(1500)  # a couple of pushes: the feed and charts settle
-        # An open error shows that a job's whole traceback is readable.
-        summary = page.locator("#problems details summary", has_text="TimeoutError").first
+        # An open error shows that a job's whole traceback is readable: a dead job's if one
+        # failed with a traceback, else the first problem's.
+        rows = page.locator("#problems tr:has(.pill.dead)", has_text="TimeoutError")
+        row = rows.first if await rows.count() else page.locator("#problems tr").first
+        summary = row.locator("details summary")
         if await summary.count():
             await summary.click()
             await page.locator("#problems details[open] pre").first.wait_for()
+            await row.scroll_into_view_if_needed()
         await page.evaluate("window.scrollTo(0, 0)")
         await page.screenshot(path=str(out), full_page=full_page)
         await browser.close()

@@ -222,7 +222,7 @@
       });
       if (state.openErrors.has(r.id)) { details.open = true; pre.textContent = state.fullErrors.get(r.id) || ""; }
       const errorCell = cell(""); errorCell.append(details);
-      const when = cell(r.status === "dead" ? fmtAgo(-r.when) : "retry " + fmtRelative(r.when), "num");
+      const when = cell(r.status === "dead" ? fmtAgo(-r.when) : r.when > 0 ? "retry in " + fmtSeconds(r.when) : "retry due now", "num");
       tr.append(cell("#" + r.id, "num"), task, cell(r.queue), attempts, errorCell, when);
       return tr;
     }));
