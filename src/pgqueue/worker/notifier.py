@@ -18,12 +18,15 @@ from .state import pause
 
 log = logging.getLogger("pgqueue.worker.notifier")
 
-#: Detect a dead peer (a half-open TCP connection) within about 15 s instead of hours.
+#: Detect a dead peer within about 15 s instead of hours: keepalives for an idle connection,
+#: tcp_user_timeout for one whose bytes go unacknowledged, and a bounded connect.
 KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 5,
     "keepalives_interval": 2,
     "keepalives_count": 5,
+    "tcp_user_timeout": 15000,
+    "connect_timeout": 10,
 }
 
 

@@ -21,6 +21,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..sql import Queries
+from .notifier import KEEPALIVES
 from .state import ClaimedJob
 
 #: What the handler produced, as stored: (result JSON or None, a note for last_error or None).
@@ -49,7 +50,7 @@ class Transactions:
         self.dsn = dsn
         self.q = q
         self.size = size
-        self.kwargs = {"autocommit": False, "application_name": application_name}
+        self.kwargs = {"autocommit": False, "application_name": application_name, **KEEPALIVES}
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()
