@@ -120,17 +120,20 @@ def starts(conn: Conn) -> dict[int, list[Run]]:
 
 def ended_by(conn: Conn, job_id: int, token: UUID) -> str | None:
     """How the attempt holding lease ``token`` ended: ``reaped`` (its lease had expired and a
-    reaper took the job back), ``failed`` (its own failure ack), or None if neither."""
+    reaper took the job back), ``released`` (handed back at shutdown, the attempt not
+    counted), ``failed`` (its own failure ack), or None if none of these."""
     row = conn.execute(
         "SELECT seq IN (SELECT seq FROM history_reaps) AND at >= old_expires,"
+        " new_token IS NULL AND new_attempts = old_attempts - 1,"
         " new_token IS NOT NULL"
         " FROM history_transitions WHERE job_id = %s AND old_token = %s"
-        " AND old_status = 'running' AND new_status IN ('retrying', 'dead')",
+        " AND old_status = 'running' AND new_status IN ('queued', 'retrying', 'dead')",
         (job_id, token),
     ).fetchone()
     if row is None:
         return None
-    return "reaped" if row[0] else "failed" if row[1] else None
+    reaped, released, failed = row
+    return "reaped" if reaped else "released" if released else "failed" if failed else None
 
 
 def claims(conn: Conn) -> dict[int, list[UUID]]:
@@ -146,9 +149,10 @@ def claims(conn: Conn) -> dict[int, list[UUID]]:
 
 def unexplained_duplicates(conn: Conn, *, failures_explain: bool = False) -> list[tuple[int, UUID]]:
     """(job, lease token) of every claim that was followed by another claim of the same job
-    although its lease was not reaped after expiring (nor, with ``failures_explain``, did its
-    attempt fail). Empty means every repeated execution is explained by a lost lease."""
-    allowed = {"reaped", "failed"} if failures_explain else {"reaped"}
+    although its lease was neither reaped after expiring nor released at shutdown (nor, with
+    ``failures_explain``, did its attempt fail). Empty means every repeated execution is
+    explained by a lost lease."""
+    allowed = {"reaped", "released", "failed"} if failures_explain else {"reaped", "released"}
     return [
         (job_id, token)
         for job_id, tokens in claims(conn).items()

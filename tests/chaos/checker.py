@@ -74,28 +74,21 @@ def lost_jobs(conn: Conn) -> int:
 
 def recovery_times(conn: Conn, faults: list[Fault]) -> list[float]:
     """For each lease reaped from a faulted worker: seconds from the fault that hit that worker
-    to the job being taken again (claimed anew, or buried if out of attempts)."""
+    to the reap, when the job is claimable again. (Its re-run then waits its turn: a retry is
+    queued by its new run_at, behind jobs that were due before it.)"""
     by_worker: dict[UUID, list[datetime]] = {}
     for fault in faults:
         if fault.worker is not None:
             by_worker.setdefault(fault.worker, []).append(fault.at)
     rows = conn.execute(
-        """
-        SELECT c.new_worker, r.at, r.new_status,
-               (SELECT min(n.at) FROM history_transitions n
-                 WHERE n.job_id = r.job_id AND n.seq > r.seq AND n.new_status = 'running')
-        FROM history_reaps r
-        JOIN history_transitions c ON c.new_token = r.old_token AND c.new_status = 'running'
-        """
+        "SELECT c.new_worker, r.at FROM history_reaps r"
+        " JOIN history_transitions c ON c.new_token = r.old_token AND c.new_status = 'running'"
     ).fetchall()
     times = []
-    for worker, reaped_at, status, reclaimed_at in rows:
+    for worker, reaped_at in rows:
         hits = [at for at in by_worker.get(worker, []) if at <= reaped_at]
-        if not hits:
-            continue
-        taken = reaped_at if status == "dead" else reclaimed_at
-        if taken is not None:
-            times.append((taken - max(hits)).total_seconds())
+        if hits:
+            times.append((reaped_at - max(hits)).total_seconds())
     return times
 
 

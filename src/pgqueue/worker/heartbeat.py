@@ -21,7 +21,7 @@ import psycopg
 
 from ..sql import Queries
 from .notifier import KEEPALIVES
-from .state import Held, Phase, WorkerState, pause
+from .state import Held, Phase, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
 
@@ -99,8 +99,8 @@ class Heartbeat:
                 # Bounded, connecting included: a blackholed connection must not stall the
                 # loop, or handlers would outlive their leases unnoticed.
                 await asyncio.wait_for(self.beat(), self.interval)
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                log.warning("heartbeat failed (%s); will retry", exc)
+            except Exception as exc:
+                round_failed(log, "heartbeat", exc)
                 if self.conn is not None:
                     await self.conn.close()
                     self.conn = None

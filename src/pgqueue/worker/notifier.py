@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .state import pause
+from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.notifier")
 
@@ -53,9 +53,9 @@ class Notifier:
             try:
                 await self._listen(stopping)
                 delay = 0.1
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:
                 self.listening.clear()
-                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                round_failed(log, "LISTEN (polling until it is back)", exc)
             if stopping.is_set():
                 break
             # Jobs inserted while we were away are found by the fetcher's next claim.
