@@ -73,22 +73,22 @@ def lost_jobs(conn: Conn) -> int:
 
 
 def recovery_times(conn: Conn, faults: list[Fault]) -> list[float]:
-    """For each lease reaped from a faulted worker: seconds from the fault that hit that worker
-    to the reap, when the job is claimable again. (Its re-run then waits its turn: a retry is
-    queued by its new run_at, behind jobs that were due before it.)"""
+    """For each lease reaped from a faulted worker: seconds from the first fault to hit that
+    worker after the claim to the reap, when the job is claimable again. (Its re-run then waits
+    its turn: a retry is queued by its new run_at, behind jobs that were due before it.)"""
     by_worker: dict[UUID, list[datetime]] = {}
     for fault in faults:
         if fault.worker is not None:
             by_worker.setdefault(fault.worker, []).append(fault.at)
     rows = conn.execute(
-        "SELECT c.new_worker, r.at FROM history_reaps r"
+        "SELECT c.new_worker, c.at, r.at FROM history_reaps r"
         " JOIN history_transitions c ON c.new_token = r.old_token AND c.new_status = 'running'"
     ).fetchall()
     times = []
-    for worker, reaped_at in rows:
-        hits = [at for at in by_worker.get(worker, []) if at <= reaped_at]
+    for worker, claimed_at, reaped_at in rows:
+        hits = [at for at in by_worker.get(worker, []) if claimed_at <= at <= reaped_at]
         if hits:
-            times.append((reaped_at - max(hits)).total_seconds())
+            times.append((reaped_at - min(hits)).total_seconds())
     return times
 
 

@@ -6,8 +6,8 @@ from tests.chaos.checker import Result
 
 HEADER = (
     "| scenario | jobs | faults | lost | duplicate effects | duplicate executions "
-    "| stale writes rejected / accepted | recovery p50 / p95 / max | result |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---|---|"
+    "| zombie attempts | stale writes rejected / accepted | recovery p50 / p95 / max | result |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"
 )
 
 
@@ -16,6 +16,6 @@ def row(result: Result) -> str:
     return (
         f"| {result.scenario} | {result.jobs:,} | {result.faults} | {result.lost} "
         f"| {result.duplicate_effects} | {result.duplicate_executions} "
-        f"| {result.stale_rejected} / {result.stale_accepted} | {result.recovery_summary()} "
+        f"| {result.zombie_attempts} | {result.stale_rejected} / {result.stale_accepted} | {result.recovery_summary()} "
         f"| {verdict} |"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,8 @@ from .transactions import CommitUncertainError, Transactions
 if TYPE_CHECKING:
     from ..app import App
     from ..tasks import Task
+
+log = logging.getLogger("pgqueue.worker.executor")
 
 MAX_ERROR_CHARS = 8000
 
@@ -177,6 +180,11 @@ class Executor:
         try:
             return await asyncio.wait_for(call, task.timeout)
         except TimeoutError:
+            if not task.is_async:
+                log.warning(
+                    "job %d: sync task %r abandoned at its %g s timeout; its thread runs on "
+                    "until the function returns", job.id, job.task, task.timeout,
+                )  # fmt: skip
             raise TaskTimeoutError(
                 f"task {job.task!r} exceeded its timeout of {task.timeout:g} s"
             ) from None

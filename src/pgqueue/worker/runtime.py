@@ -138,7 +138,10 @@ class Worker:
             kwargs={"autocommit": True, "application_name": f"{name}:pool", **KEEPALIVES},
         )
         await pool.open()
-        threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="pgqueue-task")
+        # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
+        # returns, and the headroom keeps such threads from starving the next handlers
+        # (threads are only started when needed).
+        threads = ThreadPoolExecutor(2 * self.concurrency, thread_name_prefix="pgqueue-task")
         self.transactions = Transactions(
             dsn, q, self.concurrency, application_name=f"{name}:handler"
         )
