@@ -11,7 +11,7 @@ DEMO_ARGS ?=
 
 include dashboard.mk
 
-.PHONY: test demo docs docs-serve lint typecheck check venv clean
+.PHONY: test demo docs docs-serve lint typecheck check venv clean chaos
 
 $(VENV)/bin/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ docs-serve: $(STAMP)
 
 test: check docs assets
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
+
+# The fault-injection suite at full size (every scenario also runs small inside `make test`).
+# Prints the results table; CHAOS_ARGS takes e.g. --seed N --scenario sigkill --rate 500.
+CHAOS_ARGS ?=
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos $(CHAOS_ARGS)
 
 demo: $(DEMO_STAMP) assets
 	$(BIN)/pgqueue demo $(DEMO_ARGS)

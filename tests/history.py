@@ -1,8 +1,8 @@
 """A history of every attempt and every state change, kept in the test database, so that after a
 run of real worker processes plain SQL can decide what happened.
 
-- ``history_runs``: written by the handlers of ``tests.acceptance.jobs_app`` (start, done,
-  cancelled), with the attempt, the lease token of the claim, the pid and the database clock.
+- ``history_runs``: written by handlers through ``record`` (start, done, cancelled), with the
+  attempt, the lease token of the claim, the pid and the database clock.
 - ``history_transitions``: written by a trigger on every status change of a job, with the old
   and new lease token, the old lease expiry and the new error, so a re-run can be matched to
   the reap of the lease before it.
@@ -12,14 +12,38 @@ Test-only: pgqueue itself never installs these.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from pgqueue import JobContext
 
 Conn = psycopg.Connection[tuple[Any, ...]]
+
+_pool: AsyncConnectionPool[psycopg.AsyncConnection[tuple[Any, ...]]] | None = None
+
+
+async def record(dsn: str, ctx: JobContext, event: str) -> None:
+    """Called by handlers in worker processes: one history row, on a pool of this process's
+    own (never the worker's), committed at once."""
+    global _pool
+    if _pool is None:
+        _pool = AsyncConnectionPool(
+            dsn, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+        )
+        await _pool.open()
+    async with _pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO history_runs (job_id, attempt, lease_token, pid, event)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            (ctx.job_id, ctx.attempt, ctx.lease_token, os.getpid(), event),
+        )
+
 
 INSTALL = """
 CREATE TABLE IF NOT EXISTS history_runs (
@@ -40,17 +64,29 @@ CREATE TABLE IF NOT EXISTS history_transitions (
     new_token   uuid,
     old_expires timestamptz,
     new_error   text,
+    new_worker  uuid,
+    old_attempts integer,
+    new_attempts integer,
     at          timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE OR REPLACE FUNCTION history_log_transition() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO history_transitions
-        (job_id, old_status, new_status, old_token, new_token, old_expires, new_error)
+        (job_id, old_status, new_status, old_token, new_token, old_expires, new_error,
+         new_worker, old_attempts, new_attempts)
     VALUES (NEW.id, OLD.status::text, NEW.status::text, OLD.lease_token, NEW.lease_token,
-            OLD.lease_expires_at, left(NEW.last_error, 200));
+            OLD.lease_expires_at, left(NEW.last_error, 200), NEW.worker_id, OLD.attempts,
+            NEW.attempts);
     RETURN NULL;
 END;
 $$;
+-- A reap: the reaper clears the token, keeps the attempt count and writes a fresh LeaseExpired
+-- error. (An ack keeps the token; a release lowers the count; a later ack can keep an old
+-- LeaseExpired text, which is why the error alone says nothing.)
+CREATE OR REPLACE VIEW history_reaps AS
+    SELECT * FROM history_transitions
+    WHERE old_status = 'running' AND new_status IN ('retrying', 'dead') AND new_token IS NULL
+      AND new_attempts = old_attempts AND new_error LIKE 'LeaseExpired:%';
 DROP TRIGGER IF EXISTS history_transitions ON pgqueue_jobs;
 CREATE TRIGGER history_transitions AFTER UPDATE ON pgqueue_jobs
     FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status)
@@ -84,17 +120,20 @@ def starts(conn: Conn) -> dict[int, list[Run]]:
 
 def ended_by(conn: Conn, job_id: int, token: UUID) -> str | None:
     """How the attempt holding lease ``token`` ended: ``reaped`` (its lease had expired and a
-    reaper took the job back), ``failed`` (its own failure ack), or None if neither."""
+    reaper took the job back), ``released`` (handed back at shutdown, the attempt not
+    counted), ``failed`` (its own failure ack), or None if none of these."""
     row = conn.execute(
-        "SELECT new_error LIKE 'LeaseExpired:%%' AND at >= old_expires,"
-        "       new_error NOT LIKE 'LeaseExpired:%%'"
+        "SELECT seq IN (SELECT seq FROM history_reaps) AND at >= old_expires,"
+        " new_token IS NULL AND new_attempts = old_attempts - 1,"
+        " new_token IS NOT NULL"
         " FROM history_transitions WHERE job_id = %s AND old_token = %s"
-        " AND old_status = 'running' AND new_status IN ('retrying', 'dead')",
+        " AND old_status = 'running' AND new_status IN ('queued', 'retrying', 'dead')",
         (job_id, token),
     ).fetchone()
     if row is None:
         return None
-    return "reaped" if row[0] else "failed" if row[1] else None
+    reaped, released, failed = row
+    return "reaped" if reaped else "released" if released else "failed" if failed else None
 
 
 def claims(conn: Conn) -> dict[int, list[UUID]]:
@@ -110,9 +149,10 @@ def claims(conn: Conn) -> dict[int, list[UUID]]:
 
 def unexplained_duplicates(conn: Conn, *, failures_explain: bool = False) -> list[tuple[int, UUID]]:
     """(job, lease token) of every claim that was followed by another claim of the same job
-    although its lease was not reaped after expiring (nor, with ``failures_explain``, did its
-    attempt fail). Empty means every repeated execution is explained by a lost lease."""
-    allowed = {"reaped", "failed"} if failures_explain else {"reaped"}
+    although its lease was neither reaped after expiring nor released at shutdown (nor, with
+    ``failures_explain``, did its attempt fail). Empty means every repeated execution is
+    explained by a lost lease."""
+    allowed = {"reaped", "released", "failed"} if failures_explain else {"reaped", "released"}
     return [
         (job_id, token)
         for job_id, tokens in claims(conn).items()

@@ -89,8 +89,18 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _check_value(value: Any, path: str) -> None:
+#: Deeper arguments are refused: they are almost surely a bug (a cycle unrolled, a tree where
+#: a reference was meant), and they would exhaust Python's or PostgreSQL's parser stack.
+MAX_NESTING = 100
+
+
+def _check_value(value: Any, path: str, depth: int = 0) -> None:
     """JSON types only; PostgreSQL's jsonb refuses NUL in strings and NaN/Infinity."""
+    if depth > MAX_NESTING:
+        raise InvalidJobError(
+            f"argument {path.split('.')[0].split('[')[0]} is nested more than {MAX_NESTING} "
+            "levels deep"
+        )
     if value is None or isinstance(value, bool | int):
         return
     if isinstance(value, float):
@@ -111,11 +121,11 @@ def _check_value(value: Any, path: str) -> None:
                 raise InvalidJobError(f"argument {path} has a key containing NUL (\\u0000)")
             if not _is_utf8(key):
                 raise InvalidJobError(f"argument {path} has a key that is not valid UTF-8")
-            _check_value(item, f"{path}.{key}")
+            _check_value(item, f"{path}.{key}", depth + 1)
         return
     if isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            _check_value(item, f"{path}[{index}]")
+            _check_value(item, f"{path}[{index}]", depth + 1)
         return
     raise InvalidJobError(
         f"argument {path} is a {type(value).__name__}, which is not JSON-serialisable "

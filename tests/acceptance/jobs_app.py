@@ -8,31 +8,15 @@ Each attempt records its start, and its end (``done`` or ``cancelled``), in ``hi
 from __future__ import annotations
 
 import asyncio
-import os
-
-import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
+from tests import history
 
 app = pgqueue.App(backoff=pgqueue.Backoff(base=0.1, cap=0.5))
 
-_pool: AsyncConnectionPool[psycopg.AsyncConnection[tuple[object, ...]]] | None = None
-
 
 async def _record(ctx: pgqueue.JobContext, event: str) -> None:
-    global _pool
-    if _pool is None:
-        _pool = AsyncConnectionPool(
-            app.dsn, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
-        )
-        await _pool.open()
-    async with _pool.connection() as conn:
-        await conn.execute(
-            "INSERT INTO history_runs (job_id, attempt, lease_token, pid, event)"
-            " VALUES (%s, %s, %s, %s, %s)",
-            (ctx.job_id, ctx.attempt, ctx.lease_token, os.getpid(), event),
-        )
+    await history.record(app.dsn, ctx, event)
 
 
 @app.task(max_attempts=10)

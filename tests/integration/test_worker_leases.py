@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
@@ -274,3 +275,37 @@ async def test_listen_comes_back_after_its_connection_is_killed(
         for n in range(3):
             ping.enqueue(n=n)
             await wait_until_async(lambda: len(done) == n + 1, timeout=10)  # noqa: B023
+
+
+async def test_heartbeat_survives_an_unexpected_error(
+    app: pgqueue.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pgqueue.worker.heartbeat import Heartbeat
+
+    real_beat = Heartbeat.beat
+    calls = 0
+
+    async def flaky_beat(self: Heartbeat) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise MemoryError("a handler is hogging memory")
+        await real_beat(self)
+
+    monkeypatch.setattr(Heartbeat, "beat", flaky_beat)
+    async with running_worker(app, **FAST) as worker:
+        await wait_until_async(lambda: worker.heartbeat.beats >= 3)
+
+
+async def test_a_service_that_ends_stops_the_worker_with_an_error(
+    app: pgqueue.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pgqueue.worker.reaper import Reaper
+
+    async def gone(self: Reaper, stopping: asyncio.Event) -> None:
+        return None
+
+    monkeypatch.setattr(Reaper, "run", gone)
+    worker = app.worker(install_signal_handlers=False, **FAST)
+    with pytest.raises(pgqueue.PgQueueError, match="its reaper service ended unexpectedly"):
+        await asyncio.wait_for(worker.run(), 30)

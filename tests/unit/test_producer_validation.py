@@ -59,6 +59,18 @@ def test_non_json_argument_is_refused_with_its_path(
     assert "to" in str(info.value)  # the message names the argument
 
 
+def test_arguments_nested_too_deeply_are_refused(app: pgqueue.App) -> None:
+    deep: list[object] = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(InvalidJobError, match="argument to is nested more than 100 levels deep"):
+        app.enqueue("send", {"to": deep})
+    ok: list[object] = []
+    for _ in range(99):
+        ok = [ok]
+    assert app._rows([("send", {"to": ok})], allow_unknown=False)
+
+
 def test_integer_too_long_for_json_is_refused(app: pgqueue.App) -> None:
     with pytest.raises(InvalidJobError, match="not JSON-serialisable: Exceeds the limit"):
         app.enqueue("send", {"to": 10**5000})

@@ -19,7 +19,8 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..sql import Queries
-from .executor import Outcome
+from .executor import Outcome, ack_params
+from .state import round_failed
 
 log = logging.getLogger("pgqueue.worker.completer")
 
@@ -69,8 +70,8 @@ class Completer:
             return
         try:
             accepted = await self._write(batch, self._uncertain or any(o.uncertain for o in batch))
-        except (psycopg.Error, OSError) as exc:
-            log.warning("writing %d results failed (%s); retrying", len(batch), exc)
+        except Exception as exc:
+            round_failed(log, f"writing {len(batch)} results", exc)
             self._uncertain = True
             await asyncio.sleep(0.5)
             return
@@ -81,17 +82,8 @@ class Completer:
         self.on_written(batch, accepted)
 
     async def _write(self, batch: list[Outcome], uncertain: bool) -> set[int]:
-        params = {
-            "ids": [o.job_id for o in batch],
-            "tokens": [o.lease_token for o in batch],
-            "statuses": [o.status.value for o in batch],
-            "delays": [o.delay or 0.0 for o in batch],
-            "errors": [o.error for o in batch],
-            "results": [o.result for o in batch],
-            "run_seconds": [o.run_seconds for o in batch],
-        }
         async with self.pool.connection() as conn:
-            cur = await conn.execute(self.q.complete_jobs, params)
+            cur = await conn.execute(self.q.complete_jobs, ack_params(batch))
             accepted = {int(row[0]) for row in await cur.fetchall()}
             self.writes += 1
             refused = [o for o in batch if o.job_id not in accepted]

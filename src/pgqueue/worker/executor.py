@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import traceback
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,11 +27,13 @@ from ..context import JobContext
 from ..errors import Fail, Retry
 from ..jobs import Status
 from .state import ClaimedJob
-from .transactions import CommitUncertainError, Encoded, Transactions
+from .transactions import CommitUncertainError, Transactions
 
 if TYPE_CHECKING:
     from ..app import App
     from ..tasks import Task
+
+log = logging.getLogger("pgqueue.worker.executor")
 
 MAX_ERROR_CHARS = 8000
 
@@ -55,6 +58,19 @@ class Outcome:
     uncertain: bool = False
 
 
+def ack_params(batch: list[Outcome]) -> dict[str, Any]:
+    """``complete_jobs``'s parameters: one array per column, one element per job."""
+    return {
+        "ids": [o.job_id for o in batch],
+        "tokens": [o.lease_token for o in batch],
+        "statuses": [o.status.value for o in batch],
+        "delays": [o.delay or 0.0 for o in batch],
+        "errors": [o.error for o in batch],
+        "results": [o.result for o in batch],
+        "run_seconds": [o.run_seconds for o in batch],
+    }
+
+
 def format_error(exc: BaseException, *, with_traceback: bool = True) -> str:
     """``Type: message`` then the traceback, cut to a size that fits a row and a dashboard."""
     head = f"{type(exc).__name__}: {exc}".rstrip(": ")
@@ -72,7 +88,7 @@ class TaskTimeoutError(Exception):
     pass
 
 
-def encode_result(result: Any) -> Encoded:
+def encode_result(result: Any) -> tuple[str | None, str | None]:
     """The handler's return value as stored JSON, or a note on why it could not be stored."""
     if result is None:
         return None, None
@@ -111,11 +127,14 @@ class Executor:
             worker_id=self.worker_id,
         )
 
-    async def run(self, job: ClaimedJob, lease_seconds: float) -> Outcome:
-        """Run the handler; never raises except CancelledError (lease lost or shutdown)."""
+    async def run(
+        self, job: ClaimedJob, lease_seconds: float, on_ack: Callable[[], None]
+    ) -> Outcome:
+        """Run the handler; never raises except CancelledError (lease lost or shutdown).
+        ``on_ack`` is called when a handler's own transaction is about to write its ack."""
         started = time.monotonic()
         try:
-            result, written = await self._call(job, lease_seconds, started)
+            result, written = await self._call(job, lease_seconds, started, on_ack)
         except asyncio.CancelledError:
             raise
         except Retry as exc:
@@ -133,7 +152,7 @@ class Executor:
         return outcome
 
     async def _call(
-        self, job: ClaimedJob, lease_seconds: float, started: float
+        self, job: ClaimedJob, lease_seconds: float, started: float, on_ack: Callable[[], None]
     ) -> tuple[Any, bool | None]:
         """The handler's result, and whether its own transaction wrote the ack (see Outcome)."""
         task = self.app.tasks.get(job.task)
@@ -148,7 +167,7 @@ class Executor:
             kwargs[task.context_param] = self.context(job, lease_seconds)
         call: Awaitable[tuple[Any, bool | None]]
         if task.connection_param:
-            call = self._call_in_transaction(task, job, kwargs, started)
+            call = self._call_in_transaction(task, job, kwargs, started, on_ack)
         elif task.is_async:
             call = _no_ack(task.func(**kwargs))
         else:
@@ -161,33 +180,43 @@ class Executor:
         try:
             return await asyncio.wait_for(call, task.timeout)
         except TimeoutError:
+            if not task.is_async:
+                log.warning(
+                    "job %d: sync task %r abandoned at its %g s timeout; its thread runs on "
+                    "until the function returns", job.id, job.task, task.timeout,
+                )  # fmt: skip
             raise TaskTimeoutError(
                 f"task {job.task!r} exceeded its timeout of {task.timeout:g} s"
             ) from None
 
     def _call_in_transaction(
-        self, task: Task[Any, Any], job: ClaimedJob, kwargs: dict[str, Any], started: float
+        self,
+        task: Task[Any, Any],
+        job: ClaimedJob,
+        kwargs: dict[str, Any],
+        started: float,
+        on_ack: Callable[[], None],
     ) -> Awaitable[tuple[Any, bool]]:
         param = task.connection_param
         assert param is not None
 
-        def clock() -> float:
-            return time.monotonic() - started
+        def ack(result: Any) -> dict[str, Any]:
+            on_ack()
+            return ack_params([self._success(job, started, result)])
 
         if task.is_async:
 
             async def call_async(conn: psycopg.AsyncConnection[Any]) -> Any:
                 return await task.func(**kwargs, **{param: conn})
 
-            return self.transactions.run_async(job, call_async, encode_result, clock)
+            return self.transactions.run_async(call_async, ack)
 
         def call_sync(conn: psycopg.Connection[Any]) -> Any:
             return task.func(**kwargs, **{param: conn})
 
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(
-            self.threads,
-            functools.partial(self.transactions.run_sync, job, call_sync, encode_result, clock),
+            self.threads, functools.partial(self.transactions.run_sync, call_sync, ack)
         )
 
     def _retry(self, job: ClaimedJob, started: float, delay: float, exc: BaseException) -> Outcome:

@@ -16,7 +16,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..sql import Queries
-from .state import ClaimedJob, WorkerState, pause
+from .state import ClaimedJob, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.fetcher")
 
@@ -67,9 +67,9 @@ class Fetcher:
                 try:
                     jobs = await self.claim(free)
                     failures = 0
-                except (psycopg.Error, OSError) as exc:
+                except Exception as exc:
                     failures += 1
-                    log.warning("claim failed (%s); retrying", exc)
+                    round_failed(log, "claim", exc)
                     await pause(stopping, min(0.1 * 2**failures, self.poll_interval * 5))
                     continue
                 if stopping.is_set():

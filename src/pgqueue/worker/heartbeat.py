@@ -21,7 +21,7 @@ import psycopg
 
 from ..sql import Queries
 from .notifier import KEEPALIVES
-from .state import Held, Phase, WorkerState, pause
+from .state import Held, Phase, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
 
@@ -75,8 +75,7 @@ class Heartbeat:
             "tokens": [h.job.lease_token for h in held],
         }
         conn = await self._connection()
-        # Bounded: a blackholed connection must not stall heartbeats past the lease.
-        cur = await asyncio.wait_for(conn.execute(self.q.extend_leases, params), self.interval)
+        cur = await conn.execute(self.q.extend_leases, params)
         kept = {int(row[0]) for row in await cur.fetchall()}
         self.state.counters.stale_unreported -= stale
         self.beats += 1
@@ -97,9 +96,11 @@ class Heartbeat:
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             try:
-                await self.beat()
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                log.warning("heartbeat failed (%s); will retry", exc)
+                # Bounded, connecting included: a blackholed connection must not stall the
+                # loop, or handlers would outlive their leases unnoticed.
+                await asyncio.wait_for(self.beat(), self.interval)
+            except Exception as exc:
+                round_failed(log, "heartbeat", exc)
                 if self.conn is not None:
                     await self.conn.close()
                     self.conn = None

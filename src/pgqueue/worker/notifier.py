@@ -14,16 +14,19 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .state import pause
+from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.notifier")
 
-#: Detect a dead peer (a half-open TCP connection) within about 15 s instead of hours.
+#: Detect a dead peer within about 15 s instead of hours: keepalives for an idle connection,
+#: tcp_user_timeout for one whose bytes go unacknowledged, and a bounded connect.
 KEEPALIVES: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 5,
     "keepalives_interval": 2,
     "keepalives_count": 5,
+    "tcp_user_timeout": 15000,
+    "connect_timeout": 10,
 }
 
 
@@ -50,9 +53,9 @@ class Notifier:
             try:
                 await self._listen(stopping)
                 delay = 0.1
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:
                 self.listening.clear()
-                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+                round_failed(log, "LISTEN (polling until it is back)", exc)
             if stopping.is_set():
                 break
             # Jobs inserted while we were away are found by the fetcher's next claim.

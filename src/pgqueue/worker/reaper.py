@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from ..backoff import Backoff
 from ..sql import Queries
-from .state import WorkerState, pause
+from .state import WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.reaper")
 
@@ -74,7 +74,7 @@ class Reaper:
                 await self.reap()
                 if self.rounds % max(int(60 / self.interval), 1) == 0:
                     await self.prune()
-            except (psycopg.Error, OSError) as exc:
-                log.warning("reaper round failed (%s); will retry", exc)
+            except Exception as exc:
+                round_failed(log, "reaper round", exc)
             self.rounds += 1
             await pause(stopping, self.interval)

@@ -21,7 +21,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from .. import db, stats
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, PgQueueError
 from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
@@ -107,6 +107,8 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Why the worker stopped on its own, if it did (the process then exits non-zero).
+        self.failure: str | None = None
 
     # --- public ---------------------------------------------------------------------------
 
@@ -136,7 +138,10 @@ class Worker:
             kwargs={"autocommit": True, "application_name": f"{name}:pool", **KEEPALIVES},
         )
         await pool.open()
-        threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="pgqueue-task")
+        # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
+        # returns, and the headroom keeps such threads from starving the next handlers
+        # (threads are only started when needed).
+        threads = ThreadPoolExecutor(2 * self.concurrency, thread_name_prefix="pgqueue-task")
         self.transactions = Transactions(
             dsn, q, self.concurrency, application_name=f"{name}:handler"
         )
@@ -194,6 +199,8 @@ class Worker:
         ]
         if self.listen:
             services.append(asyncio.create_task(self.notifier.run(services_stop), name="notifier"))
+        for service in services:
+            service.add_done_callback(self._service_ended)
         fetcher = asyncio.create_task(self.fetcher.run(state.stopping), name="fetcher")
         log.info(
             "worker %s started: queues=%s concurrency=%d lease=%gs",
@@ -224,6 +231,8 @@ class Worker:
             self._remove_signals()
             self.stopped.set()
             log.info("worker %s stopped", self.id)
+        if self.failure is not None:
+            raise PgQueueError(f"worker stopped: {self.failure}")
 
     # --- life cycle -----------------------------------------------------------------------
 
@@ -266,6 +275,18 @@ class Worker:
             log.info("stopping: no new claims; running jobs get %gs to finish", self.grace_period)
             self.state.stopping.set()
             self.state.wakeup.set()
+
+    def _service_ended(self, task: asyncio.Task[Any]) -> None:
+        """Services retry every failed round and end only when told to. One that ended anyway
+        leaves the worker unable to do its part (without heartbeats its leases would lapse
+        while its handlers run on), so the worker stops and exits non-zero for its
+        supervisor to restart it."""
+        assert self.state is not None
+        if task.cancelled() or self.state.stopping.is_set():
+            return
+        self.failure = f"its {task.get_name()} service ended unexpectedly: {task.exception()!r}"
+        log.critical("%s; stopping", self.failure)
+        self._begin_stop()
 
     def _install_signals(self) -> None:
         if (
@@ -345,7 +366,7 @@ class Worker:
     async def _execute(self, held: Held) -> None:
         assert self.state is not None
         try:
-            outcome = await self.executor.run(held.job, self.lease)
+            outcome = await self.executor.run(held.job, self.lease, on_ack=held.acking)
         except asyncio.CancelledError:
             if held.lost:
                 self.state.held.pop(held.job.id, None)

@@ -25,7 +25,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..schedules import MissedPolicy, due_ticks, next_tick
-from .state import pause
+from .state import pause, round_failed
 
 if TYPE_CHECKING:
     from ..app import App
@@ -163,8 +163,8 @@ class Scheduler:
                         await self.sync(conn)
                     fired = await self.tick(conn)
                     wait = await self.seconds_until_due(conn)
-            except (psycopg.Error, OSError) as exc:
-                log.warning("scheduler round failed (%s); retrying in %.1fs", exc, backoff)
+            except Exception as exc:
+                round_failed(log, f"scheduler round (next try in {backoff:.1f} s)", exc)
                 await pause(stop, backoff)
                 backoff = min(backoff * 2, _BACKOFF_CAP)
                 continue

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
+
+import psycopg
 
 
 class Phase(enum.Enum):
@@ -40,6 +43,11 @@ class Held:
     handler: asyncio.Task[Any] | None = None
     lost: bool = False
 
+    def acking(self) -> None:
+        """The handler's own transaction is writing the ack (transactional completion): from
+        here on a heartbeat that misses the job has met our own ack, not a lost lease."""
+        self.phase = Phase.ACKING
+
 
 @dataclass
 class Counters:
@@ -70,6 +78,21 @@ class WorkerState:
 
     def lease_deadline(self, lease: float) -> float:
         return time.monotonic() + lease
+
+
+#: What the database or the network can throw at a service's round: retried quietly.
+TRANSIENT = (psycopg.Error, OSError, TimeoutError)
+
+
+def round_failed(log: logging.Logger, what: str, exc: Exception) -> None:
+    """A service round failed; the service goes on. The database's and the network's errors
+    are expected (a warning); anything else (a MemoryError while a handler hogs memory, a bug)
+    gets its traceback, but must not end the service: a worker whose heartbeat stopped would
+    hold its leases without extending them."""
+    if isinstance(exc, TRANSIENT):
+        log.warning("%s failed (%s); will retry", what, exc)
+    else:
+        log.error("%s failed unexpectedly; will retry", what, exc_info=exc)
 
 
 async def pause(stopping: asyncio.Event, seconds: float) -> None:

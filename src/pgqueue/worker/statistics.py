@@ -11,7 +11,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from .. import stats
-from .state import pause
+from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.stats")
 
@@ -42,8 +42,8 @@ class StatsWriter:
         while not stopping.is_set():
             try:
                 await self.write(rounds)
-            except (psycopg.Error, OSError) as exc:
-                log.debug("stats flush failed (%s); counts kept for the next one", exc)
+            except Exception as exc:  # counts are kept for the next flush
+                round_failed(log, "stats flush", exc)
             rounds += 1
             await pause(stopping, 1.0)
 

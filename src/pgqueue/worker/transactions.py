@@ -21,27 +21,14 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..sql import Queries
-from .state import ClaimedJob
+from .notifier import KEEPALIVES
 
-#: What the handler produced, as stored: (result JSON or None, a note for last_error or None).
-Encoded = tuple[str | None, str | None]
+#: Given the handler's result, the parameters of its success ack (``complete_jobs``).
+AckParams = Callable[[Any], dict[str, Any]]
 
 
 class CommitUncertainError(Exception):
     """The COMMIT of a handler's transaction failed on the client side: it may have committed."""
-
-
-def _ack_params(job: ClaimedJob, encoded: Encoded, run_seconds: float) -> dict[str, Any]:
-    result, note = encoded
-    return {
-        "ids": [job.id],
-        "tokens": [job.lease_token],
-        "statuses": ["succeeded"],
-        "delays": [0.0],
-        "errors": [note],
-        "results": [result],
-        "run_seconds": [run_seconds],
-    }
 
 
 class Transactions:
@@ -49,7 +36,7 @@ class Transactions:
         self.dsn = dsn
         self.q = q
         self.size = size
-        self.kwargs = {"autocommit": False, "application_name": application_name}
+        self.kwargs = {"autocommit": False, "application_name": application_name, **KEEPALIVES}
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()
@@ -73,10 +60,8 @@ class Transactions:
 
     async def run_async(
         self,
-        job: ClaimedJob,
         call: Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]],
-        encode: Callable[[Any], Encoded],
-        clock: Callable[[], float],
+        ack: AckParams,
     ) -> tuple[Any, bool]:
         """Run ``call`` in a transaction and ack in it; (result, whether the ack was ours)."""
         pool = await self._async_pool()
@@ -85,8 +70,7 @@ class Transactions:
             try:
                 async with conn.transaction():
                     result = await call(conn)
-                    params = _ack_params(job, encode(result), clock())
-                    cur = await conn.execute(self.q.complete_jobs, params)
+                    cur = await conn.execute(self.q.complete_jobs, ack(result))
                     if not await cur.fetchall():
                         raise psycopg.Rollback()  # the lease is gone: none of it may stay
                     acked = True
@@ -98,10 +82,8 @@ class Transactions:
 
     def run_sync(
         self,
-        job: ClaimedJob,
         call: Callable[[psycopg.Connection[Any]], Any],
-        encode: Callable[[Any], Encoded],
-        clock: Callable[[], float],
+        ack: AckParams,
     ) -> tuple[Any, bool]:
         """The same for a sync handler, in its worker thread."""
         acked = False
@@ -109,8 +91,7 @@ class Transactions:
             try:
                 with conn.transaction():
                     result = call(conn)
-                    params = _ack_params(job, encode(result), clock())
-                    if not conn.execute(self.q.complete_jobs, params).fetchall():
+                    if not conn.execute(self.q.complete_jobs, ack(result)).fetchall():
                         raise psycopg.Rollback()
                     acked = True
             except (psycopg.OperationalError, OSError) as exc:

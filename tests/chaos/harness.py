@@ -1,0 +1,295 @@
+"""The chaos harness: real `pgqueue worker` processes on a PostgreSQL cluster of its own, a
+producer feeding jobs at a steady rate, and a scenario injecting faults from a seeded random
+generator, so a failing run can be replayed with its seed. ``checker`` decides the outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg import conninfo, sql
+
+import pgqueue
+from pgqueue.embedded import EmbeddedPostgres
+from pgqueue.migrate import migrate
+from tests import history
+from tests.chaos import app as chaos_app
+from tests.chaos.checker import Fault, Result, check
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.chaos.app:app"
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+@dataclass
+class Config:
+    """One run's size. ``rate`` jobs per second are enqueued for ``duration`` seconds."""
+
+    seed: int = 1
+    workers: int = 3
+    concurrency: int = 8
+    lease: float = 2.0
+    rate: float = 150.0
+    duration: float = 8.0
+    job_seconds: float = 0.05  # mean handler time; uniform in [0, 2 * mean]
+    faults: int = 3
+    drain_timeout: float = 120.0
+
+    @property
+    def heartbeat(self) -> float:
+        return self.lease / 3
+
+    @property
+    def recovery_bound(self) -> float:
+        """A lease runs out at most ``lease`` after the fault (its last extension came before
+        it), and the next reaper round comes within one interval; plus ε = 2 s for a loaded
+        machine (CI runs two scenarios, their workers and PostgreSQL on 2 cores)."""
+        return self.lease + self.heartbeat + 2.0
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    id: UUID | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    dsn: str = ""
+    #: Set when the harness (or a poison job) ended it on purpose.
+    expected_exit: bool = False
+
+
+class Run:
+    """One scenario on one fresh database of ``cluster``."""
+
+    def __init__(self, cluster: EmbeddedPostgres, config: Config, scenario: str, logdir: Path):
+        self.cluster = cluster
+        self.config = config
+        self.scenario = scenario
+        self.rng = random.Random(f"{config.seed}:{scenario}")
+        self.logdir = logdir
+        name = f"chaos_{scenario}_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(cluster.dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self.dsn = conninfo.make_conninfo(cluster.dsn, dbname=name)
+        self.db: Conn = psycopg.connect(self.dsn, autocommit=True)
+        migrate(self.db, "public")
+        history.install(self.db)
+        self.db.execute(chaos_app.INSTALL)
+        self.app = pgqueue.App(self.dsn)
+        self.workers: list[Worker] = []
+        self.faults: list[Fault] = []
+        self.killed: set[UUID] = set()
+        self.restarts = 0
+        self.failures_explain = False
+        #: What a scenario keeps for its own checks.
+        self.extras: dict[str, Any] = {}
+        self._feeding = threading.Event()
+        self._feeder: threading.Thread | None = None
+        self.acknowledged = 0
+
+    # --- workers --------------------------------------------------------------------------
+
+    def start_worker(self, env: dict[str, str] | None = None, dsn: str | None = None) -> Worker:
+        c = self.config
+        environment = {
+            **os.environ,
+            "PGQUEUE_DSN": dsn or self.dsn,
+            "PYTHONPATH": str(ROOT),
+            "MALLOC_ARENA_MAX": "2",
+            **(env or {}),
+        }
+        log = (self.logdir / f"worker-{len(self.workers)}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pgqueue.cli", "worker", "--app", APP,
+             "--log-level", "WARNING", "--concurrency", str(c.concurrency),
+             "--lease", str(c.lease), "--poll-interval", "0.5", "--grace-period", "2"],
+            cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        log.close()
+        worker = Worker(proc, env=env or {}, dsn=dsn or self.dsn)
+        self.workers.append(worker)
+        worker.id = wait_for(lambda: self._worker_id(proc.pid), 30, f"worker {proc.pid}")
+        return worker
+
+    def _worker_id(self, pid: int) -> UUID | None:
+        if self.workers and self.workers[-1].proc.poll() is not None:
+            raise RuntimeError(f"worker {pid} exited at start:\n{self.logs()}")
+        row = self.db.execute("SELECT id FROM pgqueue_workers WHERE pid = %s", (pid,)).fetchone()
+        return row[0] if row else None
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def holding(self) -> list[Worker]:
+        """Live workers that hold at least one running job right now."""
+        rows = self.db.execute(
+            "SELECT DISTINCT worker_id FROM pgqueue_jobs WHERE status = 'running'"
+        ).fetchall()
+        busy = {r[0] for r in rows}
+        return [w for w in self.alive() if w.id in busy]
+
+    def now(self) -> datetime:
+        row = self.db.execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        return row[0]  # type: ignore[no-any-return]
+
+    def fault(self, kind: str, worker: Worker | None = None) -> None:
+        self.faults.append(Fault(kind, self.now(), worker.id if worker else None))
+
+    def kill(self, worker: Worker) -> None:
+        self.fault("SIGKILL", worker)
+        worker.expected_exit = True
+        assert worker.id is not None
+        self.killed.add(worker.id)
+        worker.proc.kill()
+        worker.proc.wait(10)
+
+    def supervise(self) -> None:
+        """Like systemd with Restart=always: a worker that died on its own (a poison job) is
+        recorded as killed and replaced. Restarts are counted, to show they are no hot loop."""
+        for worker in list(self.workers):
+            if worker.proc.poll() is not None and not worker.expected_exit:
+                worker.expected_exit = True
+                if worker.id is not None:
+                    self.killed.add(worker.id)
+                self.faults.append(Fault("worker died", self.now(), worker.id))
+                self.restarts += 1
+                self.start_worker(worker.env, worker.dsn)
+
+    # --- jobs -----------------------------------------------------------------------------
+
+    def feed(self) -> None:
+        """Enqueue at the configured rate, in a thread, until done or ``stop``. A batch whose
+        COPY failed (the server restarting) is retried; ``acknowledged`` counts the jobs whose
+        commit the client saw, which must all exist at the end."""
+        rng = random.Random(self.rng.random())
+        period = 0.1
+        per_batch = max(1, round(self.config.rate * period))
+        total = round(self.config.rate * self.config.duration)
+        mean = self.config.job_seconds
+
+        def loop() -> None:
+            sent = 0
+            next_at = time.monotonic()
+            while sent < total and not self._feeding.is_set():
+                n = min(per_batch, total - sent)
+                batch = [("effect", {"seconds": round(rng.uniform(0, 2 * mean), 4)})] * n
+                try:
+                    self.app.enqueue_many(batch, allow_unknown=True)
+                except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
+                    time.sleep(0.2)
+                    continue
+                sent += n
+                self.acknowledged += n
+                next_at += period
+                time.sleep(max(0.0, next_at - time.monotonic()))
+
+        self._feeder = threading.Thread(target=loop, name="chaos-feeder", daemon=True)
+        self._feeder.start()
+
+    def reconnect(self) -> None:
+        """After a server restart: a fresh connection for the harness's own queries."""
+        self.db.close()
+        self.db = wait_for(self._connect, 60, "PostgreSQL to accept connections again")
+
+    def _connect(self) -> Conn | None:
+        try:
+            return psycopg.connect(self.dsn, autocommit=True)
+        except psycopg.OperationalError:
+            return None
+
+    def during_feed(self, step: Callable[[], None], times: int) -> None:
+        """Call ``step`` ``times`` times, spread at random over the feeding period."""
+        span = self.config.duration
+        moments = sorted(self.rng.uniform(0.15 * span, 0.8 * span) for _ in range(times))
+        start = time.monotonic()
+        for moment in moments:
+            while time.monotonic() - start < moment:
+                self.supervise()
+                time.sleep(0.05)
+            step()
+
+    def drain(self) -> None:
+        """Wait until everything enqueued is finished (succeeded or dead)."""
+        if self._feeder is not None:
+            self._feeder.join()
+
+        def done() -> bool:
+            self.supervise()
+            row = self.db.execute(
+                "SELECT count(*) FROM pgqueue_jobs WHERE status NOT IN ('succeeded', 'dead',"
+                " 'cancelled')"
+            ).fetchone()
+            return row == (0,)
+
+        wait_for(done, self.config.drain_timeout, "every job to finish")
+
+    def stop(self) -> None:
+        self._feeding.set()
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.proc.pid, signal.SIGCONT)
+                    worker.proc.send_signal(signal.SIGTERM)
+        for worker in self.workers:
+            try:
+                worker.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}"
+            for p in sorted(self.logdir.glob("worker-*.log"))
+        )
+
+    def result(self) -> Result:
+        result = check(
+            self.db,
+            scenario=self.scenario,
+            seed=self.config.seed,
+            faults=self.faults,
+            killed=self.killed,
+            recovery_bound=self.config.recovery_bound,
+            failures_explain=self.failures_explain,
+        )
+        if self.restarts:
+            result.notes.append(f"{self.restarts} worker restarts")
+        return result
+
+    def close(self) -> None:
+        self.stop()
+        self.app.close()
+        self.db.close()
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[EmbeddedPostgres]:
+    with EmbeddedPostgres() as pg:
+        yield pg
