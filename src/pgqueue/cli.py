@@ -17,6 +17,7 @@ import psycopg
 from . import __version__
 from .app import App
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+from .bench.cli import bench_command
 from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -263,6 +264,7 @@ def worker(
 
 
 main.add_command(schedules_command, "schedules")
+main.add_command(bench_command, "bench")
 
 try:
     from .dashboard.cli import dashboard_command
