@@ -78,8 +78,9 @@ class PgqueueAdapter:
             "listen": options.listen,
             "poll_interval": options.poll,
             "install_signal_handlers": False,
-            **options.config,
         }
+        if options.config.get("keep_small"):
+            config["retention"] = 10.0  # succeeded jobs are pruned after 10 s
         worker = self.app.worker(**config)
         running = asyncio.create_task(worker.run())
         stop = asyncio.create_task(options.stop.wait())

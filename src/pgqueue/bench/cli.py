@@ -48,7 +48,7 @@ def bench_command(
     from ..embedded import EmbeddedPostgres
     from . import runner
 
-    console = Console(stderr=as_json)
+    console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 160)
     plan = runner.Plan.make(quick, reps)
     plan.only = {key.strip() for key in only.split(",") if key.strip()}
     systems = [runner.pgqueue_system()]

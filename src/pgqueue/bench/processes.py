@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import json
 import os
 import uuid
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 from psycopg import conninfo, sql
@@ -85,7 +87,14 @@ class Databases:
         self.count = 0
 
     def dsn(self, name: str) -> str:
-        return conninfo.make_conninfo(self.admin_dsn, dbname=name)
+        """A URL (asyncpg, which one peer uses, takes no key=value DSNs)."""
+        parts = conninfo.conninfo_to_dict(self.admin_dsn)
+        user = quote(str(parts.get("user") or getpass.getuser()), safe="")
+        password = parts.get("password")
+        auth = f"{user}:{quote(str(password), safe='')}@" if password else f"{user}@"
+        host = str(parts.get("host") or "127.0.0.1")
+        port = parts.get("port") or 5432
+        return f"postgresql://{auth}{host}:{port}/{quote(name, safe='')}"
 
     @contextlib.contextmanager
     def fresh(self) -> Any:

@@ -140,7 +140,6 @@ def pgqueue_system() -> System:
         label="pgqueue",
         family="pgqueue",
         argv=[sys.executable, "-m", "pgqueue.bench.adapter"],
-        work_config={"retention": 10.0},
     )
 
 

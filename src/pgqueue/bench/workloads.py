@@ -8,6 +8,7 @@ for every system; CPU is read at the same two instants.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import subprocess
 import time
@@ -76,9 +77,15 @@ async def enqueue_notify(
 
 
 async def _start_workers(
-    ctx: Context, system: System, dsn: str, count: int, args: list[str], stack: Any
+    ctx: Context,
+    system: System,
+    dsn: str,
+    count: int,
+    args: list[str],
+    stack: Any,
+    **extra: Any,
 ) -> list[Adapter]:
-    config = ["--config", _json(system.work_config)]
+    config = ["--config", json.dumps({**system.work_config, **extra})]
     workers = [
         await stack.enter_async_context(adapter(system, "work", dsn, [*args, *config], ctx.logdir))
         for _ in range(count)
@@ -86,12 +93,6 @@ async def _start_workers(
     for worker in workers:
         await worker.next()  # ready
     return workers
-
-
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 async def _stop_workers(workers: list[Adapter]) -> list[dict[str, Any]]:
@@ -225,7 +226,7 @@ async def steady(
     with ctx.databases.fresh() as dsn:
         await _install(ctx, system, dsn)
         async with AsyncExitStack() as stack:
-            (worker,) = await _start_workers(ctx, system, dsn, 1, args, stack)
+            (worker,) = await _start_workers(ctx, system, dsn, 1, args, stack, keep_small=True)
             await worker.send("go")
             await asyncio.sleep(1.0)
             producer = await stack.enter_async_context(
