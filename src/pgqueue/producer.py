@@ -6,6 +6,7 @@ writes nothing. The I/O twins below are thin on purpose: the logic cannot drift 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -62,6 +63,10 @@ class JobRow:
         )
 
 
+# One encoder for every job (json.dumps with options builds a new one per call).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def _already_json(value: Any) -> str:
     return str(value)
 
@@ -69,6 +74,13 @@ def _already_json(value: Any) -> str:
 def check_name(kind: str, value: object, limit: int) -> str:
     if not isinstance(value, str):
         raise InvalidJobError(f"{kind} name must be a string, got {type(value).__name__}")
+    return _checked_name(kind, value, limit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_name(kind: str, value: str, limit: int) -> str:
+    """Bulk enqueues repeat a few names many times: each is checked once (errors are not
+    cached, so a bad name fails every time)."""
     if not value or not value.strip():
         raise InvalidJobError(f"{kind} name must not be empty")
     if len(value) > limit:
@@ -143,7 +155,7 @@ def _exact_float_encoder(args: Mapping[str, Any]) -> Iterator[str]:
 def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
     if args is None:
         args = {}
-    if not isinstance(args, Mapping):
+    if type(args) is not dict and not isinstance(args, Mapping):  # skip the ABC check for dicts
         raise InvalidJobError(
             f"args must be a mapping of keyword arguments, got {type(args).__name__}"
         )
@@ -152,7 +164,7 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
             raise InvalidJobError(f"argument name {key!r} is not a valid Python identifier")
         _check_value(value, key)
     try:
-        text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text = _ENCODER.encode(args)
         if "e+" in text:  # rare: maybe a float >= 1e16, which jsonb would turn into an integer
             text = "".join(_exact_float_encoder(args))
     except ValueError as exc:  # e.g. an int beyond Python's int-to-str digit limit
