@@ -6,10 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 include dashboard.mk
 
-.PHONY: test demo lint typecheck check venv clean
+.PHONY: test demo lint typecheck check venv clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,14 @@ test: check assets
 
 demo: $(STAMP) assets
 	$(BIN)/python examples/demo.py
+
+# Side by side with the peers (installed from PyPI into .venv-peers), on a throwaway PostgreSQL:
+# about 15 minutes; bench-quick is the same table in a couple of minutes. See docs/performance.md.
+bench: $(STAMP)
+	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers --quick $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,7 @@ from datetime import timedelta
 import asyncpg
 import pgqueue_bench_driver as driver
 import uvloop
-from pgqueuer import AsyncpgDriver, AsyncpgPoolDriver, PgQueuer, Queries
+from pgqueuer import AsyncpgPoolDriver, PgQueuer, Queries
 from pgqueuer import __version__ as version
 from pgqueuer.models import Channel, Job
 

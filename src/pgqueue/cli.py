@@ -16,8 +16,8 @@ import psycopg
 
 from . import __version__
 from .app import App
-from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .bench.cli import bench_command
+from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])

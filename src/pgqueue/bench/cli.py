@@ -51,6 +51,14 @@ def bench_command(
     console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 160)
     plan = runner.Plan.make(quick, reps)
     plan.only = {key.strip() for key in only.split(",") if key.strip()}
+    known = {w.key for w in runner.Plan.make(quick, reps).workloads()} | {"ceiling"}
+    if plan.only - known:
+        click.echo(
+            f"error: unknown workload(s) {', '.join(sorted(plan.only - known))}; "
+            f"choose from {', '.join(sorted(known))}",
+            err=True,
+        )
+        sys.exit(1)
     systems = [runner.pgqueue_system()]
     if peers:
         if not (peers_dir / "requirements.txt").exists():

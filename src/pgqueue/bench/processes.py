@@ -55,11 +55,12 @@ class CpuMeter:
     postmaster: int | None
     seen: dict[int, float] = field(default_factory=dict)
 
-    def postgres(self) -> float | None:
+    def postgres(self, exclude: int | None = None) -> float | None:
+        """PostgreSQL's CPU, less the backend ``exclude`` (the runner's own poll connection)."""
         if self.postmaster is None:
             return None
         pids = [self.postmaster, *children_of(self.postmaster)]
-        return sum(cpu_seconds(pid) for pid in pids)
+        return sum(cpu_seconds(pid) for pid in pids if pid != exclude)
 
     @staticmethod
     def processes(pids: Sequence[int]) -> float:

@@ -173,7 +173,9 @@ def ensure_peer_venv(peers_dir: Path, venv: Path, console: Console) -> None:
         [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    shutil.copy(Path(__file__).with_name("driver.py"), Path(out.stdout.strip()) / "pgqueue_bench_driver.py")
+    shutil.copy(
+        Path(__file__).with_name("driver.py"), Path(out.stdout.strip()) / "pgqueue_bench_driver.py"
+    )
 
 
 def describe_machine() -> dict[str, Any]:
@@ -324,10 +326,10 @@ def render(results: Results, console: Console) -> None:
             f"insert, claim with SKIP LOCKED, ack; 3 durable commits per batch): "
             f"[bold]{c['rate']:,.0f} jobs/s[/bold]"
         )
-    s = results.settings
+    pg = results.settings
     console.print(
-        f"[dim]PostgreSQL {s.get('server_version')}, fsync={s.get('fsync')}, "
-        f"synchronous_commit={s.get('synchronous_commit')}; "
+        f"[dim]PostgreSQL {pg.get('server_version')}, fsync={pg.get('fsync')}, "
+        f"synchronous_commit={pg.get('synchronous_commit')}; "
         f"{results.plan.reps} repetitions, interleaved; {results.started}[/dim]"
     )
 
@@ -338,7 +340,7 @@ def _ratio(metric: Metric, values: dict[str, float | None], peers: list[System])
     if ours is None or not theirs:
         return "—"
     best = max(theirs) if metric.better == HIGHER else min(theirs)
-    return f"{ours / best:.2f}×"
+    return f"{ours / best:.2f}x"
 
 
 def dump(results: Results) -> str:
