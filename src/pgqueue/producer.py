@@ -9,14 +9,13 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from json.encoder import _make_iterencode  # type: ignore[attr-defined]
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
 
 from .errors import InvalidJobError
 from .sql import Queries
@@ -25,7 +24,7 @@ MAX_QUEUE_LENGTH = 128
 MAX_TASK_LENGTH = 256
 _INT32 = 2**31 - 1
 DEFAULT_MAX_PAYLOAD = 1024 * 1024
-COPY_TYPES = ["text", "text", "jsonb", "int4", "timestamptz", "int4"]
+COPY_CHUNK = 1_000  # rows per write: PostgreSQL ingests one chunk while the next is formatted
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,24 +50,35 @@ class JobRow:
             "max_attempts": self.max_attempts,
         }
 
-    def copy_row(self, db_now: datetime) -> tuple[Any, ...]:
-        run_at = self.run_at or db_now + timedelta(seconds=self.delay)
+    def with_args(self, args_json: str) -> JobRow:
+        return JobRow(self.queue, self.task, args_json, self.priority, self.run_at, self.delay,
+                      self.max_attempts)  # fmt: skip
+
+    def copy_line(self, now_text: str, db_now: datetime) -> str:
+        """This row in COPY's text format (tab-separated, backslash-escaped, one line)."""
+        if self.run_at is not None:
+            run_at = self.run_at.isoformat()
+        elif self.delay:
+            run_at = (db_now + timedelta(seconds=self.delay)).isoformat()
+        else:
+            run_at = now_text
+        # The JSON encoder escapes every control character, so the only character COPY would
+        # read specially in the arguments is the backslash.
+        args = self.args_json.replace("\\", "\\\\") if "\\" in self.args_json else self.args_json
         return (
-            self.queue,
-            self.task,
-            Jsonb(self.args_json, dumps=_already_json),
-            self.priority,
-            run_at,
-            self.max_attempts,
+            f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
+            f"{self.priority}\t{run_at}\t{self.max_attempts}\n"
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _copy_escape(name: str) -> str:
+    """A queue or task name as a COPY text field (names repeat: each is escaped once)."""
+    return name.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 # One encoder for every job (json.dumps with options builds a new one per call).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-def _already_json(value: Any) -> str:
-    return str(value)
 
 
 def check_name(kind: str, value: object, limit: int) -> str:
@@ -248,28 +258,32 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobR
     return int(record[0])
 
 
+def _copy_chunks(rows: Sequence[JobRow], db_now: datetime) -> Iterator[str]:
+    """COPY text for the rows, a chunk at a time. Text COPY of pre-formatted lines costs a
+    fraction of binary ``write_row`` per row, which formats each field in Python."""
+    now_text = db_now.isoformat()
+    for start in range(0, len(rows), COPY_CHUNK):
+        yield "".join(row.copy_line(now_text, db_now) for row in rows[start : start + COPY_CHUNK])
+
+
 def copy_rows(conn: psycopg.Connection[Any], q: Queries, rows: Sequence[JobRow]) -> int:
     with conn.cursor() as cur:
         now_row = cur.execute(q.database_now).fetchone()
         assert now_row is not None
         with cur.copy(q.copy_jobs) as copy:
-            copy.set_types(COPY_TYPES)
-            for row in rows:
-                copy.write_row(row.copy_row(now_row[0]))
+            for chunk in _copy_chunks(rows, now_row[0]):
+                copy.write(chunk)
     return len(rows)
 
 
 async def copy_rows_async(
-    conn: psycopg.AsyncConnection[Any], q: Queries, rows: Iterable[JobRow]
+    conn: psycopg.AsyncConnection[Any], q: Queries, rows: Sequence[JobRow]
 ) -> int:
-    count = 0
     async with conn.cursor() as cur:
         await cur.execute(q.database_now)
         now_row = await cur.fetchone()
         assert now_row is not None
         async with cur.copy(q.copy_jobs) as copy:
-            copy.set_types(COPY_TYPES)
-            for row in rows:
-                await copy.write_row(row.copy_row(now_row[0]))
-                count += 1
-    return count
+            for chunk in _copy_chunks(rows, now_row[0]):
+                await copy.write(chunk)
+    return len(rows)
