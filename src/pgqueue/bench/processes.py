@@ -135,6 +135,10 @@ class System:
     #: Fraction of the job counts this system gets (a slow peer need not drain 50,000 jobs to
     #: show its rate; its rate is measured over the same middle 90 % of its own run).
     scale: float = 1.0
+    #: Statements run right after ``install`` (e.g. to switch a trigger off for a variant).
+    after_install: list[str] = field(default_factory=list)
+    #: Only these workloads (empty: all that apply).
+    workloads: set[str] = field(default_factory=set)
     version: str = ""
     remaining_sql: str = ""
 

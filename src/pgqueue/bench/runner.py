@@ -47,7 +47,7 @@ class Workload:
     title: str
     metrics: list[Metric]
     run: Callable[[workloads.Context, System], Awaitable[Any]]
-    systems: str = "all"  # "all", "pgqueue", or "processing" (peer variants included)
+    systems: str = "all"  # "all", or "processing" (PgQueuer's batch-100 variant too)
     reps: int | None = None  # None: the plan's repetitions
 
 
@@ -85,13 +85,13 @@ class Plan:
     @classmethod
     def make(cls, quick: bool, reps: int | None) -> Plan:
         if quick:
-            return cls(quick, reps or 3, steady_seconds=15, steady_rate=1000, depth_waiting=20_000,
-                       depth_finished=200_000, processing_jobs=20_000, io_jobs=10_000,
-                       single_jobs=1_000, bulk_jobs=20_000, latency_jobs=80,
+            return cls(quick, reps or 3, steady_seconds=10, steady_rate=1000, depth_waiting=10_000,
+                       depth_finished=100_000, processing_jobs=10_000, io_jobs=5_000,
+                       single_jobs=600, bulk_jobs=20_000, latency_jobs=60,
                        ceiling_seconds=5)  # fmt: skip
-        return cls(quick, reps or 3, steady_seconds=60, steady_rate=2000, depth_waiting=100_000,
-                   depth_finished=1_000_000, processing_jobs=50_000, io_jobs=20_000,
-                   single_jobs=3_000, bulk_jobs=50_000, latency_jobs=200)  # fmt: skip
+        return cls(quick, reps or 3, steady_seconds=45, steady_rate=2000, depth_waiting=100_000,
+                   depth_finished=1_000_000, processing_jobs=30_000, io_jobs=15_000,
+                   single_jobs=2_000, bulk_jobs=50_000, latency_jobs=150)  # fmt: skip
 
     def workloads(self) -> list[Workload]:
         p = self
@@ -101,8 +101,6 @@ class Plan:
                      lambda c, s: w.enqueue(c, s, p.single_jobs, 1, 1)),
             Workload("enqueue_4", "enqueue, 1 job per transaction, 4 producers", RATE,
                      lambda c, s: w.enqueue(c, s, p.single_jobs, 4, 1)),
-            Workload("enqueue_4_no_notify", "  same, pgqueue's NOTIFY trigger off", RATE,
-                     lambda c, s: w.enqueue_notify(c, s, p.single_jobs, 4), systems="pgqueue"),
             Workload("enqueue_bulk", "enqueue, bulk (5,000 per call)", RATE,
                      lambda c, s: w.enqueue(c, s, p.bulk_jobs, 1, workloads.FILL_BATCH)),
             Workload("process_1", "processing no-op jobs, 1 worker process", RATE + CPU,
@@ -127,20 +125,28 @@ class Plan:
                      f"processing with {p.depth_waiting:,} waiting and {p.depth_finished:,} "
                      "finished rows, 1 worker", RATE + CPU,
                      lambda c, s: w.depth(c, s, p.depth_waiting, p.depth_finished, 100),
-                     systems="processing", reps=1 if not p.quick else None),
+                     systems="processing", reps=1),
         ]  # fmt: skip
         if self.only:
             items = [i for i in items if i.key in self.only]
         return items
 
 
-def pgqueue_system() -> System:
-    return System(
-        key="pgqueue",
-        label="pgqueue",
-        family="pgqueue",
-        argv=[sys.executable, "-m", "pgqueue.bench.adapter"],
-    )
+def pgqueue_systems() -> list[System]:
+    """pgqueue, and a variant with its NOTIFY trigger off for the single-row enqueue workloads
+    (it shows what NOTIFY costs concurrent producers; it is never compared with the peers)."""
+    argv = [sys.executable, "-m", "pgqueue.bench.adapter"]
+    return [
+        System(key="pgqueue", label="pgqueue", family="pgqueue", argv=argv),
+        System(
+            key="pgqueue-no-notify",
+            label="pgqueue, NOTIFY trigger off",
+            family="pgqueue",
+            argv=argv,
+            after_install=["ALTER TABLE pgqueue_jobs DISABLE TRIGGER pgqueue_jobs_notify_ready"],
+            workloads={"enqueue_1", "enqueue_4"},
+        ),
+    ]
 
 
 def peer_systems(peers_dir: Path, venv: Path) -> list[System]:
@@ -236,8 +242,8 @@ class Results:
 
 
 def _applies(workload: Workload, system: System) -> bool:
-    if workload.systems == "pgqueue":
-        return system.family == "pgqueue"
+    if system.workloads:
+        return workload.key in system.workloads
     if workload.systems == "processing":
         return True
     return system.key != "pgqueuer-b100"  # batch size only matters when processing
@@ -301,10 +307,11 @@ def _fmt(metric: Metric, value: float | None) -> str:
 def render(results: Results, console: Console) -> None:
     systems = results.systems
     peers = [s for s in systems if s.family != "pgqueue"]
+    shown = [s for s in systems if any(s.key in by for by in results.runs.values())]
     table = Table(title="pgqueue bench: medians" + (" (quick)" if results.plan.quick else ""))
     table.add_column("workload")
     table.add_column("metric")
-    for s in systems:
+    for s in shown:
         table.add_column(s.label, justify="right")
     if peers:
         table.add_column("pgqueue / best peer", justify="right")
@@ -312,13 +319,15 @@ def render(results: Results, console: Console) -> None:
         if workload.key not in results.runs:
             continue
         for index, metric in enumerate(workload.metrics):
-            values = {s.key: results.median(workload.key, s.key, metric.key) for s in systems}
+            values = {s.key: results.median(workload.key, s.key, metric.key) for s in shown}
             row = [workload.title if index == 0 else "", metric.label]
-            row += [_fmt(metric, values[s.key]) for s in systems]
+            row += [_fmt(metric, values[s.key]) for s in shown]
             if peers:
                 row.append(_ratio(metric, values, peers))
             table.add_row(*row, end_section=index == len(workload.metrics) - 1)
     console.print(table)
+    if results.ceiling is None and (not results.plan.only or "ceiling" in results.plan.only):
+        console.print("database ceiling: not measured (pgbench not found)")
     if results.ceiling:
         c = results.ceiling
         console.print(
@@ -332,6 +341,46 @@ def render(results: Results, console: Console) -> None:
         f"synchronous_commit={pg.get('synchronous_commit')}; "
         f"{results.plan.reps} repetitions, interleaved; {results.started}[/dim]"
     )
+
+
+def markdown(results: Results) -> str:
+    """The same table as ``render``, as Markdown (for docs/performance.md)."""
+    systems = [s for s in results.systems if any(s.key in by for by in results.runs.values())]
+    peers = [s for s in systems if s.family != "pgqueue"]
+    head = ["workload", "metric", *(s.label for s in systems)]
+    if peers:
+        head.append("pgqueue / best peer")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for workload in results.plan.workloads():
+        if workload.key not in results.runs:
+            continue
+        for index, metric in enumerate(workload.metrics):
+            values = {s.key: results.median(workload.key, s.key, metric.key) for s in systems}
+            row = [workload.title.strip() if index == 0 else "", metric.label]
+            row += [_fmt(metric, values[s.key]) for s in systems]
+            if peers:
+                row.append(_ratio(metric, values, peers))
+            lines.append("| " + " | ".join(row) + " |")
+    if results.ceiling:
+        lines.append("")
+        lines.append(
+            f"Database ceiling (pgbench, {results.ceiling['clients']:.0f} clients, batches of "
+            f"{results.ceiling['batch']:.0f}): **{results.ceiling['rate']:,.0f} jobs/s**."
+        )
+    return "\n".join(lines)
+
+
+def load(path: Path, systems: list[System]) -> Results:
+    """A saved ``--save`` report, for rendering again without running."""
+    data = json.loads(path.read_text())
+    plan = Plan.make(bool(data["quick"]), int(data["repetitions"]))
+    known = {s.key: s for s in systems}
+    chosen = [known[key] for key in data["systems"] if key in known]
+    for system in chosen:
+        system.version = data["systems"][system.key]["version"]
+    results = Results(plan, chosen, runs=data["runs"], ceiling=data["ceiling"],
+                      settings=data["postgresql"], started=data["started"])  # fmt: skip
+    return results
 
 
 def _ratio(metric: Metric, values: dict[str, float | None], peers: list[System]) -> str:

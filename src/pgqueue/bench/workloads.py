@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import time
@@ -39,6 +40,10 @@ def _scaled(system: System, jobs: int) -> int:
 
 async def _install(ctx: Context, system: System, dsn: str) -> None:
     await run_role(system, "install", dsn, [], ctx.logdir)
+    if system.after_install:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in system.after_install:
+                conn.execute(statement.encode())
 
 
 async def _fill(ctx: Context, system: System, dsn: str, jobs: int) -> dict[str, Any]:
@@ -60,19 +65,6 @@ async def enqueue(
     with ctx.databases.fresh() as dsn:
         await _install(ctx, system, dsn)
         args = ["--jobs", str(jobs), "--producers", str(producers), "--batch", str(batch)]
-        result = await run_role(system, "enqueue", dsn, args, ctx.logdir)
-    return {"rate": float(result["jobs"]) / float(result["seconds"])}
-
-
-async def enqueue_notify(
-    ctx: Context, system: System, jobs: int, producers: int
-) -> dict[str, float]:
-    """Like ``enqueue`` with one job per transaction, with pgqueue's NOTIFY trigger disabled."""
-    with ctx.databases.fresh() as dsn:
-        await _install(ctx, system, dsn)
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("ALTER TABLE pgqueue_jobs DISABLE TRIGGER pgqueue_jobs_notify_ready")
-        args = ["--jobs", str(jobs), "--producers", str(producers), "--batch", "1"]
         result = await run_role(system, "enqueue", dsn, args, ctx.logdir)
     return {"rate": float(result["jobs"]) / float(result["seconds"])}
 
@@ -287,8 +279,11 @@ UPDATE ceiling_jobs SET status = 2 WHERE token = :token AND status = 1;
 
 def ceiling(ctx: Context, clients: int, seconds: int, batch: int) -> dict[str, float] | None:
     """The database's own rate for the same row work, by pgbench (None if pgbench is missing)."""
+    pgbench = shutil.which("pgbench")
     bindir = find_bindir()
-    if bindir is None or not (bindir / "pgbench").exists():
+    if bindir is not None and (bindir / "pgbench").exists():
+        pgbench = str(bindir / "pgbench")
+    if pgbench is None:
         return None
     with ctx.databases.fresh() as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -296,7 +291,7 @@ def ceiling(ctx: Context, clients: int, seconds: int, batch: int) -> dict[str, f
         script = ctx.logdir / "ceiling.sql"
         script.write_text(CEILING_SCRIPT.format(batch=batch))
         out = subprocess.run(
-            [str(bindir / "pgbench"), "-n", "-c", str(clients), "-j", str(min(clients, 2)),
+            [pgbench, "-n", "-c", str(clients), "-j", str(min(clients, 2)),
              "-T", str(seconds), "-f", str(script), dsn],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
