@@ -229,6 +229,12 @@ def status(dsn: str | None, schema: str) -> None:
 @click.option("--app", "app_spec", required=True, help="module:app holding your tasks.")
 @click.option("--queues", default=None, help="Comma-separated queues (default: all).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Most jobs claimed ahead of free slots (default: the concurrency).",
+)
 @click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
 @click.option("--poll-interval", type=float, default=1.0, show_default=True)
 @click.option("--grace-period", type=float, default=30.0, show_default=True)
@@ -240,6 +246,7 @@ def worker(
     app_spec: str,
     queues: str | None,
     concurrency: int,
+    prefetch: int | None,
     lease: float,
     poll_interval: float,
     grace_period: float,
@@ -256,6 +263,7 @@ def worker(
     app.run_worker(
         queues=queues.split(",") if queues else None,
         concurrency=concurrency,
+        prefetch=prefetch,
         lease=lease,
         poll_interval=poll_interval,
         grace_period=grace_period,

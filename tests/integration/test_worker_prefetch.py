@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
@@ -158,3 +159,11 @@ async def test_pruning_keeps_up_with_a_busy_queue(dsn: str, conn: Conn) -> None:
     finally:
         await pool.close()
     assert conn.execute("SELECT task FROM pgqueue_jobs").fetchall() == [("recent",)]
+
+
+def test_prefetch_must_be_a_non_negative_integer(app: pgqueue.App) -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(pgqueue.ConfigurationError, match="prefetch"):
+            app.worker(prefetch=bad)
+    assert app.worker(concurrency=7).prefetch == 7
+    assert app.worker(concurrency=7, prefetch=0).prefetch == 0
