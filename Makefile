@@ -36,7 +36,7 @@ demo: $(STAMP) assets
 	$(BIN)/python examples/demo.py
 
 # Side by side with the peers (installed from PyPI into .venv-peers), on a throwaway PostgreSQL:
-# about 15 minutes; bench-quick is the same table in a couple of minutes. See docs/performance.md.
+# about 12 minutes; bench-quick is the same table, smaller, in about 5. See docs/performance.md.
 bench: $(STAMP)
 	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers $(BENCH_ARGS)
 
