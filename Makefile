@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
 
 include dashboard.mk
 
-.PHONY: test demo docs docs-serve lint typecheck check venv clean chaos
+.PHONY: test demo docs docs-serve lint typecheck check venv clean chaos bench bench-quick
 
 $(VENV)/bin/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +58,14 @@ chaos: $(STAMP)
 
 demo: $(DEMO_STAMP) assets
 	$(BIN)/pgqueue demo $(DEMO_ARGS)
+
+# Side by side with the peers (installed from PyPI into .venv-peers), on a throwaway PostgreSQL:
+# about 12 minutes; bench-quick is the same table, smaller, in about 5. See docs/performance.md.
+bench: $(STAMP)
+	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers --quick $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -327,7 +327,23 @@ class App:
 
     def _rows(self, jobs: Iterable[JobSpec], allow_unknown: bool) -> list[producer.JobRow]:
         rows = []
+        # (task, args) pairs, the common bulk form, share their task's checked defaults: per job
+        # only the arguments are checked and serialised.
+        templates: dict[str, producer.JobRow] = {}
         for index, spec in enumerate(jobs):
+            if type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str:
+                template = templates.get(spec[0])
+                try:
+                    if template is None:
+                        template = templates[spec[0]] = self._row(
+                            spec[0], None, queue=None, priority=None, max_attempts=None,
+                            delay=None, run_at=None, allow_unknown=allow_unknown,
+                        )  # fmt: skip
+                    args = producer.serialize_args(spec[1], self.max_payload_bytes)
+                except (InvalidJobError, UnknownTaskError) as exc:
+                    raise type(exc)(f"job #{index}: {exc}") from None
+                rows.append(template.with_args(args))
+                continue
             if isinstance(spec, tuple):
                 if len(spec) != 2:
                     raise InvalidJobError(f"job #{index}: expected (task, args)")

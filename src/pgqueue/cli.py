@@ -17,6 +17,7 @@ import psycopg
 
 from . import __version__
 from .app import App
+from .bench.cli import bench_command
 from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
@@ -231,6 +232,12 @@ def status(dsn: str | None, schema: str) -> None:
 @click.option("--app", "app_spec", required=True, help="module:app holding your tasks.")
 @click.option("--queues", default=None, help="Comma-separated queues (default: all).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Most jobs claimed ahead of free slots (default: the concurrency).",
+)
 @click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
 @click.option(
     "--heartbeat-interval", type=float, default=None, help="Seconds between heartbeats [lease/3]."
@@ -245,6 +252,7 @@ def worker(
     app_spec: str,
     queues: str | None,
     concurrency: int,
+    prefetch: int | None,
     lease: float,
     heartbeat_interval: float | None,
     poll_interval: float,
@@ -262,6 +270,7 @@ def worker(
     app.run_worker(
         queues=queues.split(",") if queues else None,
         concurrency=concurrency,
+        prefetch=prefetch,
         lease=lease,
         heartbeat_interval=heartbeat_interval,
         poll_interval=poll_interval,
@@ -271,6 +280,7 @@ def worker(
 
 
 main.add_command(schedules_command, "schedules")
+main.add_command(bench_command, "bench")
 
 
 @main.command()

@@ -10,9 +10,10 @@ VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
 RETURNING id
 
 -- name: copy_jobs
--- Bulk enqueue. COPY fires the statement-level trigger once for the whole batch.
+-- Bulk enqueue. COPY fires the statement-level trigger once for the whole batch. Text format:
+-- the producer writes pre-formatted, escaped lines, cheaper than formatting binary rows in Python.
 COPY {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts)
-FROM STDIN (FORMAT BINARY)
+FROM STDIN
 
 -- name: database_now
 -- The reference time for bulk rows' run_at: the database clock, never the caller's.
@@ -97,8 +98,8 @@ SET status = a.status::{schema}.pgqueue_status,
     last_error = COALESCE(a.error, j.last_error),
     result = a.result::jsonb,
     lease_expires_at = NULL, worker_id = NULL
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(statuses)s::text[], %(delays)s::float8[],
-            %(errors)s::text[], %(results)s::text[], %(run_seconds)s::float8[])
+FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delays)b::float8[],
+            %(errors)b::text[], %(results)b::text[], %(run_seconds)b::float8[])
      AS a(id, token, status, delay, error, result, run_seconds)
 WHERE j.id = a.id AND j.lease_token = a.token AND j.status = 'running'
 RETURNING j.id
@@ -119,7 +120,7 @@ UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
     attempts = greatest(j.attempts - 1, 0), run_at = now(),
     lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS r(id, token)
+FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS r(id, token)
 WHERE j.id = r.id AND j.lease_token = r.token AND j.status = 'running'
 RETURNING j.id
 
@@ -135,7 +136,7 @@ WITH worker AS (
 )
 UPDATE {schema}.pgqueue_jobs j
 SET lease_expires_at = now() + make_interval(secs => %(lease)s)
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS h(id, token)
+FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS h(id, token)
 WHERE j.id = h.id AND j.lease_token = h.token AND j.status = 'running'
 RETURNING j.id
 

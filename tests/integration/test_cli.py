@@ -201,3 +201,9 @@ def test_pgqueue_dsn_wins_over_database_url(runner: CliRunner, dsn: str) -> None
     assert result.exit_code == 0 and result.output.strip() == "no jobs"
     flag = run(runner, "status", "--dsn", dsn, env={"PGQUEUE_DSN": UNREACHABLE})
     assert flag.exit_code == 0
+
+
+def test_worker_refuses_a_negative_prefetch(runner: CliRunner, dsn: str) -> None:
+    result = runner.invoke(main, ["worker", "--app", "x:app", "--prefetch", "-1", "--dsn", dsn])
+    assert result.exit_code == 2
+    assert "--prefetch" in result.output

@@ -323,3 +323,15 @@ def test_arguments_round_trip_through_insert_and_copy(app: pgqueue.App) -> None:
         assert row is not None and row[0] == args
 
     round_trip()
+
+
+def test_enqueue_many_escapes_names_and_arguments_for_copy(app: pgqueue.App, conn: Conn) -> None:
+    """COPY text treats tabs, newlines and backslashes specially; none may leak into rows."""
+    awkward = "tab\there\\back\nline\rret\\N"
+    args = {"path": "C:\\temp\\new", "quote": '"\\"', "nl": "a\nb\tc"}
+    assert app.enqueue_many(
+        [{"task": awkward, "queue": awkward, "args": args}, (awkward, {"x": "\\."})],
+        allow_unknown=True,
+    ) == 2  # fmt: skip
+    rows = conn.execute("SELECT queue, task, args FROM pgqueue_jobs ORDER BY id").fetchall()
+    assert rows == [(awkward, awkward, args), ("default", awkward, {"x": "\\."})]

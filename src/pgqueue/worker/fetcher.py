@@ -1,7 +1,15 @@
-"""The claim loop: never claims more jobs than there are free slots.
+"""The claim loop: claims in batches, a little ahead of free slots, never beyond its budget.
 
-It claims when woken (a NOTIFY, a freed slot after a full batch, a reaped job) and on every poll
-tick, which is the correctness path: a lost notification costs at most one poll interval.
+A worker holds at most ``concurrency + prefetch`` leases of unfinished jobs (running or
+prefetched); finished ones wait only for the completer's next batch, and claiming pauses if those
+pile up. Jobs claimed beyond the free slots wait in a local buffer and start
+the moment a slot frees, without a round trip; the buffer is refilled in batches, not per slot.
+Its size follows the recent completion rate (what finished in the last window of
+``PREFETCH_WINDOW`` seconds, at most ``prefetch``), so short jobs are prefetched and slow ones are
+not: a job never waits in this buffer while it could run on an idle worker for long.
+
+It claims when woken (a NOTIFY, a freed slot, a reaped job) and on every poll tick, which is the
+correctness path: a lost notification costs at most one poll interval.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from ..sql import Queries
 from .state import ClaimedJob, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.fetcher")
+
+PREFETCH_WINDOW = 0.05
 
 
 class Fetcher:
@@ -43,6 +53,32 @@ class Fetcher:
         self.start = start
         self.statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
         self.claims = 0
+        self._window_started = 0.0
+        self._window_finished = 0
+        self._recent = 0  # handlers finished in the last complete window
+
+    def buffer_target(self, now: float) -> int:
+        """How many jobs to keep prefetched: what finished in the last window, capped."""
+        state = self.state
+        if now - self._window_started >= PREFETCH_WINDOW:
+            elapsed = now - self._window_started
+            done = state.finished - self._window_finished
+            # A window that ran long (the worker idled) scales down to one window's worth.
+            self._recent = int(done * min(1.0, PREFETCH_WINDOW / elapsed)) if elapsed else 0
+            self._window_started, self._window_finished = now, state.finished
+        return min(state.prefetch, self._recent)
+
+    def wanted(self, now: float) -> int:
+        """Jobs to claim now (0: not worth a round trip yet)."""
+        state = self.state
+        if len(state.held) - state.running - len(state.buffer) > state.concurrency + state.prefetch:
+            return 0  # back-pressure: results are piling up faster than they can be written
+        target = self.buffer_target(now)
+        budget = state.concurrency + target - state.running - len(state.buffer)
+        if budget <= 0:
+            return 0
+        starving = state.free_slots > 0 and not state.buffer
+        return budget if starving or budget >= max(target // 2, 1) else 0
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         params: dict[str, Any] = {"lease": self.lease, "worker_id": self.worker_id, "limit": limit}
@@ -61,11 +97,11 @@ class Fetcher:
         next_poll = loop.time() + self.poll_interval
         failures = 0
         while not stopping.is_set():
-            free = state.free_slots
-            if free and maybe_more:
+            want = self.wanted(loop.time())
+            if want and maybe_more:
                 state.wakeup.clear()
                 try:
-                    jobs = await self.claim(free)
+                    jobs = await self.claim(want)
                     failures = 0
                 except Exception as exc:
                     failures += 1
@@ -79,7 +115,7 @@ class Fetcher:
                     return
                 for job in jobs:
                     self.start(job)
-                maybe_more = len(jobs) == free
+                maybe_more = len(jobs) == want
                 continue
             timeout = max(next_poll - loop.time(), 0.0)
             woke = await self._wait(stopping, timeout)

@@ -25,6 +25,9 @@ from .state import Held, Phase, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
 
+# Jobs whose lease can be lost before anything was written: prefetched or running.
+_WAITING_OR_RUNNING = (Phase.PREFETCHED, Phase.RUNNING)
+
 
 class Heartbeat:
     def __init__(
@@ -82,14 +85,14 @@ class Heartbeat:
         for h in held:
             if h.job.id in kept:
                 h.lease_deadline = sent_at + self.lease
-            elif self.state.held.get(h.job.id) is h and h.phase is Phase.RUNNING:
+            elif self.state.held.get(h.job.id) is h and h.phase in _WAITING_OR_RUNNING:
                 log.warning("job %d: lease lost (reaped or cancelled); abandoning it", h.job.id)
                 self.on_lost(h)
 
     def abandon_expired(self) -> None:
         now = time.monotonic()
         for h in list(self.state.held.values()):
-            if h.phase is Phase.RUNNING and now >= h.lease_deadline:
+            if h.phase in _WAITING_OR_RUNNING and now >= h.lease_deadline:
                 log.warning("job %d: lease ran out while the database was unreachable", h.job.id)
                 self.on_lost(h)
 

@@ -20,6 +20,9 @@ from .state import WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.reaper")
 
+PRUNE_BATCH = 10_000  # the LIMIT of prune_finished_jobs
+PRUNE_ROUNDS = 100  # at most a million rows per prune, then the next round goes on
+
 
 class Reaper:
     def __init__(
@@ -62,17 +65,31 @@ class Reaper:
             self.state.wakeup.set()
         return len(rows)
 
-    async def prune(self) -> None:
+    async def prune(self) -> int:
+        """Delete expired finished jobs in bounded batches until none are left (so a busy queue
+        cannot outgrow its pruning); returns how many went."""
+        pruned = 0
         async with self.pool.connection() as conn:
             await conn.execute(self.q.prune_workers, {"older_than": max(60.0, 3 * self.lease)})
-            if self.retention is not None:
-                await conn.execute(self.q.prune_finished_jobs, {"older_than": self.retention})
+            if self.retention is None:
+                return 0
+            for _ in range(PRUNE_ROUNDS):
+                cur = await conn.execute(self.q.prune_finished_jobs, {"older_than": self.retention})
+                pruned += cur.rowcount
+                if cur.rowcount < PRUNE_BATCH:
+                    break
+        return pruned
+
+    def prune_every(self) -> int:
+        """Reaper rounds between prunes: once a minute, or twice per retention if shorter."""
+        seconds = 60.0 if self.retention is None else min(60.0, self.retention / 2)
+        return max(int(seconds / self.interval), 1)
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             try:
                 await self.reap()
-                if self.rounds % max(int(60 / self.interval), 1) == 0:
+                if self.rounds % self.prune_every() == 0:
                     await self.prune()
             except Exception as exc:
                 round_failed(log, "reaper round", exc)

@@ -46,6 +46,9 @@ class Worker:
 
     - ``queues``: queue names to serve (default: every queue);
     - ``concurrency``: jobs run at once (async handlers on the loop, sync ones in threads);
+    - ``prefetch``: most jobs claimed ahead of a free slot (default: ``concurrency``); the
+      buffer only fills as far as recent completions show it will drain within ~50 ms, so slow
+      jobs are not prefetched (see ``fetcher``);
     - ``lease``: seconds a claim is held without a heartbeat (default 30);
     - ``heartbeat_interval``: default ``lease / 3``, so two heartbeats can fail before a lease
       runs out;
@@ -63,6 +66,7 @@ class Worker:
         *,
         queues: list[str] | tuple[str, ...] | None = None,
         concurrency: int = 10,
+        prefetch: int | None = None,
         lease: float = 30.0,
         heartbeat_interval: float | None = None,
         poll_interval: float = 1.0,
@@ -75,6 +79,9 @@ class Worker:
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError("concurrency must be a positive integer")
+        prefetch = concurrency if prefetch is None else prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigurationError("prefetch must be a non-negative integer")
         if not lease > 0:
             raise ConfigurationError("lease must be a positive number of seconds")
         heartbeat_interval = heartbeat_interval if heartbeat_interval is not None else lease / 3
@@ -101,6 +108,7 @@ class Worker:
         self.flush_interval = flush_interval
         self.id = uuid.uuid4()
         self.concurrency = concurrency
+        self.prefetch = prefetch
         self.state: WorkerState | None = None
         self.started = threading.Event()
         self.stopped = threading.Event()
@@ -124,7 +132,7 @@ class Worker:
     async def run(self) -> None:
         dsn = self.app.dsn
         self._loop = asyncio.get_running_loop()
-        self.state = state = WorkerState(concurrency=self.concurrency)
+        self.state = state = WorkerState(concurrency=self.concurrency, prefetch=self.prefetch)
         q = self.app.q
         name = f"pgqueue-worker:{os.getpid()}"
         await self._check_database(dsn)
@@ -329,7 +337,9 @@ class Worker:
         self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
     ) -> None:
         assert self.state is not None
-        unfinished = [h for h in self.state.held.values() if h.phase is Phase.RUNNING]
+        unfinished = [
+            h for h in self.state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED)
+        ]
         if not unfinished:
             return
         try:
@@ -353,12 +363,20 @@ class Worker:
         assert self.state is not None
         state = self.state
         state.counters.claimed += 1
-        held = Held(job=job, lease_deadline=state.lease_deadline(self.lease))
+        held = Held(job, state.lease_deadline(self.lease), phase=Phase.PREFETCHED)
         state.held[job.id] = held
         if state.stopping.is_set():
             return  # claimed as we stopped: released with the other unfinished jobs
-        state.running += 1
-        task = asyncio.create_task(self._execute(held), name=f"job-{job.id}")
+        if state.running < state.concurrency:
+            self._run(held)
+        else:
+            state.buffer.append(held)
+
+    def _run(self, held: Held) -> None:
+        assert self.state is not None
+        held.phase = Phase.RUNNING
+        self.state.running += 1
+        task = asyncio.create_task(self._execute(held), name=f"job-{held.job.id}")
         held.handler = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -372,8 +390,12 @@ class Worker:
                 self.state.held.pop(held.job.id, None)
             return
         finally:
-            self.state.running -= 1
-            self.state.wakeup.set()
+            state = self.state
+            state.running -= 1
+            state.finished += 1
+            if not state.stopping.is_set() and (following := state.next_prefetched()):
+                self._run(following)
+            state.wakeup.set()
         if outcome.written is not None:  # the handler's transaction wrote it already
             self._on_written([outcome], {outcome.job_id} if outcome.written else set())
             return
@@ -419,3 +441,5 @@ class Worker:
                 counters.retried += 1
             else:
                 counters.dead += 1
+        # Written results free lease budget: the fetcher may claim again.
+        self.state.wakeup.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -15,6 +16,7 @@ import psycopg
 
 
 class Phase(enum.Enum):
+    PREFETCHED = "prefetched"  # claimed ahead, waiting in the buffer for a free slot
     RUNNING = "running"  # the handler is running
     ACKING = "acking"  # the handler finished; its result waits in the completer
     ABANDONED = "abandoned"  # lease lost or timed out: nothing more will be written for it
@@ -39,7 +41,7 @@ class Held:
     job: ClaimedJob
     #: Monotonic time by which the lease has surely run out in the database unless extended.
     lease_deadline: float
-    phase: Phase = Phase.RUNNING
+    phase: Phase = Phase.PREFETCHED
     handler: asyncio.Task[Any] | None = None
     lost: bool = False
 
@@ -65,8 +67,15 @@ class Counters:
 @dataclass
 class WorkerState:
     concurrency: int
+    #: Most jobs claimed ahead of a free slot: at most ``concurrency + prefetch`` unfinished
+    #: jobs (running or prefetched) are held at once.
+    prefetch: int = 0
     held: dict[int, Held] = field(default_factory=dict)
+    #: Prefetched jobs in claim order. Entries that lost their lease meanwhile are skipped.
+    buffer: collections.deque[Held] = field(default_factory=collections.deque)
     running: int = 0
+    #: Handlers finished so far; the fetcher sizes the buffer from its recent rate.
+    finished: int = 0
     counters: Counters = field(default_factory=Counters)
     #: Set whenever there may be work: a NOTIFY, a freed slot, a poll tick.
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -75,6 +84,13 @@ class WorkerState:
     @property
     def free_slots(self) -> int:
         return max(self.concurrency - self.running, 0)
+
+    def next_prefetched(self) -> Held | None:
+        while self.buffer:
+            held = self.buffer.popleft()
+            if held.phase is Phase.PREFETCHED and self.held.get(held.job.id) is held:
+                return held
+        return None
 
     def lease_deadline(self, lease: float) -> float:
         return time.monotonic() + lease

@@ -1,0 +1,1 @@
+"""``pgqueue bench``: side-by-side benchmarks. Never imported by the worker or the producer."""

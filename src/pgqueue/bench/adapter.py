@@ -1,0 +1,96 @@
+"""pgqueue under ``pgqueue bench``: the library calls behind each role of ``driver``.
+
+Run as ``python -m pgqueue.bench.adapter ROLE ...``. Only public API is used (``App``,
+``enqueue_async``, ``enqueue_many_async``, ``worker``), with the worker's defaults unless the
+runner's ``--config`` says otherwise; the depth fill alone writes rows directly, as there is no
+API to create a million finished jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+import pgqueue
+
+from . import driver
+
+# Finished rows as the worker leaves them: succeeded, lease cleared, finished a while ago (but
+# inside the default retention, so pruning does not remove them during the run).
+FILL_FINISHED = """
+INSERT INTO pgqueue_jobs (queue, task, args, status, attempts, run_at, created_at,
+                          claimed_at, started_at, finished_at)
+SELECT 'default', 'noop', jsonb_build_object('seq', -g), 'succeeded', 1,
+       now() - interval '1 hour', now() - interval '1 hour', now() - interval '1 hour',
+       now() - interval '1 hour', now() - interval '1 hour' + g * interval '1 ms'
+FROM generate_series(1, %(count)s) AS g
+"""
+
+
+class PgqueueAdapter:
+    name = "pgqueue"
+    version = pgqueue.__version__
+    # Each count matches a partial index's predicate: cheap however many finished rows exist.
+    remaining_sql = (
+        "SELECT (SELECT count(*) FROM pgqueue_jobs WHERE status IN ('queued', 'retrying'))"
+        " + (SELECT count(*) FROM pgqueue_jobs WHERE status = 'running')"
+    )
+
+    def __init__(self) -> None:
+        self.app = pgqueue.App()
+        self.on_start: Callable[[int], None] = lambda seq: None
+        self.sleep = 0.0
+
+        @self.app.task
+        async def noop(seq: int) -> None:
+            self.on_start(seq)
+            if self.sleep:
+                await asyncio.sleep(self.sleep)
+
+        self.noop = noop
+
+    async def open(self, dsn: str) -> None:
+        self.app.dsn = dsn
+
+    async def close(self) -> None:
+        await self.app.aclose()
+        self.app.close()
+
+    async def install(self) -> None:
+        self.app.migrate()
+
+    async def enqueue_one(self, seq: int) -> None:
+        await self.noop.enqueue_async(seq=seq)
+
+    async def enqueue_many(self, seqs: range) -> None:
+        await self.app.enqueue_many_async([("noop", {"seq": seq}) for seq in seqs])
+
+    async def fill_finished(self, count: int) -> None:
+        async with await psycopg.AsyncConnection.connect(self.app.dsn, autocommit=True) as conn:
+            await conn.execute(FILL_FINISHED, {"count": count})
+
+    async def work(self, options: driver.WorkOptions, on_start: Callable[[int], None]) -> None:
+        self.on_start = on_start
+        self.sleep = options.sleep
+        config: dict[str, Any] = {
+            "concurrency": options.concurrency,
+            "listen": options.listen,
+            "poll_interval": options.poll,
+            "install_signal_handlers": False,
+        }
+        if options.config.get("keep_small"):
+            config["retention"] = 10.0  # succeeded jobs are pruned after 10 s
+        worker = self.app.worker(**config)
+        running = asyncio.create_task(worker.run())
+        stop = asyncio.create_task(options.stop.wait())
+        await asyncio.wait({running, stop}, return_when=asyncio.FIRST_COMPLETED)
+        worker.stop()
+        await running
+        stop.cancel()
+
+
+if __name__ == "__main__":
+    driver.main(PgqueueAdapter())

@@ -1,0 +1,396 @@
+"""``pgqueue bench``: plans the runs, interleaves the systems, and reports medians and ratios.
+
+Every run gets a fresh database on one server. Systems take turns inside each repetition
+(pgqueue, then each peer, then pgqueue again...), so a noisy neighbour on the machine hits all of
+them alike; the table shows the median of the repetitions and the ratio pgqueue / best peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import workloads
+from .processes import CpuMeter, Databases, System, find_postmaster
+
+HIGHER, LOWER = "higher", "lower"
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    unit: str
+    better: str
+
+
+@dataclass
+class Workload:
+    key: str
+    title: str
+    metrics: list[Metric]
+    run: Callable[[workloads.Context, System], Awaitable[Any]]
+    systems: str = "all"  # "all", or "processing" (PgQueuer's batch-100 variant too)
+    reps: int | None = None  # None: the plan's repetitions
+
+
+RATE = [Metric("rate", "jobs/s", "{:,.0f}", HIGHER)]
+CPU = [
+    Metric("worker_cpu_per_1k", "worker CPU s / 1k jobs", "{:.3f}", LOWER),
+    Metric("pg_cpu_per_1k", "PostgreSQL CPU s / 1k jobs", "{:.3f}", LOWER),
+]
+LATENCY = [Metric(p, f"{p} ms", "{:.2f}", LOWER) for p in ("p50", "p95", "p99")]
+STEADY = [
+    Metric("first_third", "done/s, first third", "{:,.0f}", HIGHER),
+    Metric("last_third", "done/s, last third", "{:,.0f}", HIGHER),
+    Metric("max_backlog", "max backlog", "{:,.0f}", LOWER),
+    Metric("size_end_mb", "database MB at end", "{:.0f}", LOWER),
+]
+
+
+@dataclass
+class Plan:
+    quick: bool
+    reps: int
+    steady_seconds: float
+    steady_rate: float
+    depth_waiting: int
+    depth_finished: int
+    processing_jobs: int
+    io_jobs: int
+    single_jobs: int
+    bulk_jobs: int
+    latency_jobs: int
+    poll_interval: float = 0.25
+    ceiling_seconds: int = 10
+    only: set[str] = field(default_factory=set)
+
+    @classmethod
+    def make(cls, quick: bool, reps: int | None) -> Plan:
+        if quick:
+            return cls(quick, reps or 3, steady_seconds=10, steady_rate=1000, depth_waiting=10_000,
+                       depth_finished=100_000, processing_jobs=10_000, io_jobs=5_000,
+                       single_jobs=600, bulk_jobs=20_000, latency_jobs=60,
+                       ceiling_seconds=5)  # fmt: skip
+        return cls(quick, reps or 3, steady_seconds=45, steady_rate=2000, depth_waiting=100_000,
+                   depth_finished=1_000_000, processing_jobs=30_000, io_jobs=15_000,
+                   single_jobs=2_000, bulk_jobs=50_000, latency_jobs=150)  # fmt: skip
+
+    def workloads(self) -> list[Workload]:
+        p = self
+        w = workloads
+        items = [
+            Workload("enqueue_1", "enqueue, 1 job per transaction, 1 producer", RATE,
+                     lambda c, s: w.enqueue(c, s, p.single_jobs, 1, 1)),
+            Workload("enqueue_4", "enqueue, 1 job per transaction, 4 producers", RATE,
+                     lambda c, s: w.enqueue(c, s, p.single_jobs, 4, 1)),
+            Workload("enqueue_bulk", "enqueue, bulk (5,000 per call)", RATE,
+                     lambda c, s: w.enqueue(c, s, p.bulk_jobs, 1, workloads.FILL_BATCH)),
+            Workload("process_1", "processing no-op jobs, 1 worker process", RATE + CPU,
+                     lambda c, s: w.process(c, s, p.processing_jobs, 1, 100, 0.0),
+                     systems="processing"),
+            Workload("process_2", "processing no-op jobs, 2 worker processes", RATE + CPU,
+                     lambda c, s: w.process(c, s, p.processing_jobs, 2, 100, 0.0),
+                     systems="processing"),
+            Workload("process_io", "10 ms jobs, concurrency 50 (ideal 5,000/s)", RATE + CPU,
+                     lambda c, s: w.process(c, s, p.io_jobs, 1, 50, 10.0),
+                     systems="processing"),
+            Workload("latency_notify", "pickup latency, idle worker, NOTIFY", LATENCY,
+                     lambda c, s: w.latency(c, s, p.latency_jobs, 20, True, p.poll_interval)),
+            Workload("latency_poll",
+                     f"pickup latency, polling every {p.poll_interval:g} s (no LISTEN)", LATENCY,
+                     lambda c, s: w.latency(c, s, p.latency_jobs, 20, False, p.poll_interval)),
+            Workload("steady",
+                     f"steady state, {p.steady_rate:,.0f} jobs/s offered for "
+                     f"{p.steady_seconds:g} s", STEADY,
+                     lambda c, s: w.steady(c, s, p.steady_rate, p.steady_seconds, 20), reps=1),
+            Workload("depth",
+                     f"processing with {p.depth_waiting:,} waiting and {p.depth_finished:,} "
+                     "finished rows, 1 worker", RATE + CPU,
+                     lambda c, s: w.depth(c, s, p.depth_waiting, p.depth_finished, 100),
+                     systems="processing", reps=1),
+        ]  # fmt: skip
+        if self.only:
+            items = [i for i in items if i.key in self.only]
+        return items
+
+
+def pgqueue_systems() -> list[System]:
+    """pgqueue, and a variant with its NOTIFY trigger off for the single-row enqueue workloads
+    (it shows what NOTIFY costs concurrent producers; it is never compared with the peers)."""
+    argv = [sys.executable, "-m", "pgqueue.bench.adapter"]
+    return [
+        System(key="pgqueue", label="pgqueue", family="pgqueue", argv=argv),
+        System(
+            key="pgqueue-no-notify",
+            label="pgqueue, NOTIFY trigger off",
+            family="pgqueue",
+            argv=argv,
+            after_install=["ALTER TABLE pgqueue_jobs DISABLE TRIGGER pgqueue_jobs_notify_ready"],
+            workloads={"enqueue_1", "enqueue_4"},
+        ),
+    ]
+
+
+def peer_systems(peers_dir: Path, venv: Path) -> list[System]:
+    python = str(venv / "bin" / "python")
+    return [
+        System("pgqueuer-b10", "PgQueuer (batch 10)", "pgqueuer",
+               [python, str(peers_dir / "pgqueuer_adapter.py")], work_config={"batch_size": 10}),
+        System("pgqueuer-b100", "PgQueuer (batch 100)", "pgqueuer",
+               [python, str(peers_dir / "pgqueuer_adapter.py")], work_config={"batch_size": 100}),
+        System("procrastinate", "Procrastinate", "procrastinate",
+               [python, str(peers_dir / "procrastinate_adapter.py")], scale=0.05),
+    ]  # fmt: skip
+
+
+def ensure_peer_venv(peers_dir: Path, venv: Path, console: Console) -> None:
+    """Create (or refresh) the peers' own environment from ``requirements.txt`` and put our
+    stdlib-only driver in it. The peers never share pgqueue's environment."""
+    requirements = peers_dir / "requirements.txt"
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    stamp = venv / ".pgqueue-bench-requirements"
+    if not stamp.exists() or stamp.read_text() != digest:
+        console.print(f"installing the peers from PyPI into {venv} ...")
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "--quiet", "-r", str(requirements)], check=True
+        )
+        stamp.write_text(digest)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    shutil.copy(
+        Path(__file__).with_name("driver.py"), Path(out.stdout.strip()) / "pgqueue_bench_driver.py"
+    )
+
+
+def describe_machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+@dataclass
+class Results:
+    plan: Plan
+    systems: list[System]
+    runs: dict[str, dict[str, list[dict[str, float | None]]]] = field(default_factory=dict)
+    ceiling: dict[str, float] | None = None
+    settings: dict[str, str] = field(default_factory=dict)
+    started: str = ""
+
+    def add(self, workload: str, system: str, value: dict[str, float | None]) -> None:
+        self.runs.setdefault(workload, {}).setdefault(system, []).append(value)
+
+    def median(self, workload: str, system: str, metric: str) -> float | None:
+        values = [
+            v for run in self.runs.get(workload, {}).get(system, [])
+            if (v := run.get(metric)) is not None
+        ]  # fmt: skip
+        return workloads.median(values) if values else None
+
+    def as_json(self) -> dict[str, Any]:
+        medians = {
+            workload: {
+                system: {metric: self.median(workload, system, metric) for metric in runs[0]}
+                for system, runs in by_system.items()
+            }
+            for workload, by_system in self.runs.items()
+        }
+        return {
+            "started": self.started,
+            "quick": self.plan.quick,
+            "repetitions": self.plan.reps,
+            "machine": describe_machine(),
+            "postgresql": self.settings,
+            "systems": {s.key: {"label": s.label, "version": s.version} for s in self.systems},
+            "medians": medians,
+            "runs": self.runs,
+            "ceiling": self.ceiling,
+        }
+
+
+def _applies(workload: Workload, system: System) -> bool:
+    if system.workloads:
+        return workload.key in system.workloads
+    if workload.systems == "processing":
+        return True
+    return system.key != "pgqueuer-b100"  # batch size only matters when processing
+
+
+async def _info(system: System, logdir: Path) -> None:
+    from .processes import run_role
+
+    info = await run_role(system, "info", "", [], logdir)
+    system.version = str(info["version"])
+    system.remaining_sql = str(info["remaining_sql"])
+
+
+async def run(
+    admin_dsn: str, plan: Plan, systems: list[System], console: Console, logdir: Path | None
+) -> Results:
+    logdir = logdir or Path(tempfile.mkdtemp(prefix="pgqueue-bench-"))
+    databases = Databases(admin_dsn)
+    ctx = workloads.Context(databases, CpuMeter(find_postmaster(admin_dsn)), logdir)
+    results = Results(plan, systems, settings=databases.settings())
+    results.started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    for system in systems:
+        await _info(system, logdir)
+    steps = []
+    for workload in plan.workloads():
+        for rep in range(workload.reps or plan.reps):
+            for system in systems:
+                if _applies(workload, system):
+                    steps.append((workload, rep, system))
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task("benchmark", total=len(steps) + 1)
+        for workload, rep, system in steps:
+            progress.update(bar, description=f"{workload.key} · {system.label} · rep {rep + 1}")
+            began = time.monotonic()
+            value = await workload.run(ctx, system)
+            results.add(workload.key, system.key, value)
+            console.log(f"{workload.key} {system.label}: {_brief(value)} "
+                        f"({time.monotonic() - began:.0f} s)")  # fmt: skip
+            progress.advance(bar)
+        if not plan.only or "ceiling" in plan.only:
+            progress.update(bar, description="database ceiling (pgbench)")
+            results.ceiling = await asyncio.to_thread(
+                workloads.ceiling, ctx, 4, plan.ceiling_seconds, 100
+            )
+        progress.advance(bar)
+    console.print(f"[dim]adapter logs: {logdir}[/dim]")
+    return results
+
+
+def _brief(value: dict[str, float | None]) -> str:
+    return ", ".join(f"{k}={v:,.3g}" if v is not None else f"{k}=—" for k, v in value.items())
+
+
+def _fmt(metric: Metric, value: float | None) -> str:
+    return "—" if value is None else metric.unit.format(value)
+
+
+def render(results: Results, console: Console) -> None:
+    systems = results.systems
+    peers = [s for s in systems if s.family != "pgqueue"]
+    shown = [s for s in systems if any(s.key in by for by in results.runs.values())]
+    table = Table(title="pgqueue bench: medians" + (" (quick)" if results.plan.quick else ""))
+    table.add_column("workload")
+    table.add_column("metric")
+    for s in shown:
+        table.add_column(s.label, justify="right")
+    if peers:
+        table.add_column("pgqueue / best peer", justify="right")
+    for workload in results.plan.workloads():
+        if workload.key not in results.runs:
+            continue
+        for index, metric in enumerate(workload.metrics):
+            values = {s.key: results.median(workload.key, s.key, metric.key) for s in shown}
+            row = [workload.title if index == 0 else "", metric.label]
+            row += [_fmt(metric, values[s.key]) for s in shown]
+            if peers:
+                row.append(_ratio(metric, values, peers))
+            table.add_row(*row, end_section=index == len(workload.metrics) - 1)
+    console.print(table)
+    if results.ceiling is None and (not results.plan.only or "ceiling" in results.plan.only):
+        console.print("database ceiling: not measured (pgbench not found)")
+    if results.ceiling:
+        c = results.ceiling
+        console.print(
+            f"database ceiling (pgbench, {c['clients']:.0f} clients, batches of {c['batch']:.0f}: "
+            f"insert, claim with SKIP LOCKED, ack; 3 durable commits per batch): "
+            f"[bold]{c['rate']:,.0f} jobs/s[/bold]"
+        )
+    pg = results.settings
+    console.print(
+        f"[dim]PostgreSQL {pg.get('server_version')}, fsync={pg.get('fsync')}, "
+        f"synchronous_commit={pg.get('synchronous_commit')}; "
+        f"{results.plan.reps} repetitions, interleaved; {results.started}[/dim]"
+    )
+
+
+def markdown(results: Results) -> str:
+    """The same table as ``render``, as Markdown (for docs/performance.md)."""
+    systems = [s for s in results.systems if any(s.key in by for by in results.runs.values())]
+    peers = [s for s in systems if s.family != "pgqueue"]
+    head = ["workload", "metric", *(s.label for s in systems)]
+    if peers:
+        head.append("pgqueue / best peer")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for workload in results.plan.workloads():
+        if workload.key not in results.runs:
+            continue
+        for index, metric in enumerate(workload.metrics):
+            values = {s.key: results.median(workload.key, s.key, metric.key) for s in systems}
+            row = [workload.title.strip() if index == 0 else "", metric.label]
+            row += [_fmt(metric, values[s.key]) for s in systems]
+            if peers:
+                row.append(_ratio(metric, values, peers))
+            lines.append("| " + " | ".join(row) + " |")
+    if results.ceiling:
+        lines.append("")
+        lines.append(
+            f"Database ceiling (pgbench, {results.ceiling['clients']:.0f} clients, batches of "
+            f"{results.ceiling['batch']:.0f}): **{results.ceiling['rate']:,.0f} jobs/s**."
+        )
+    return "\n".join(lines)
+
+
+def load(path: Path, systems: list[System]) -> Results:
+    """A saved ``--save`` report, for rendering again without running."""
+    data = json.loads(path.read_text())
+    plan = Plan.make(bool(data["quick"]), int(data["repetitions"]))
+    known = {s.key: s for s in systems}
+    chosen = [known[key] for key in data["systems"] if key in known]
+    for system in chosen:
+        system.version = data["systems"][system.key]["version"]
+    results = Results(plan, chosen, runs=data["runs"], ceiling=data["ceiling"],
+                      settings=data["postgresql"], started=data["started"])  # fmt: skip
+    return results
+
+
+def _ratio(metric: Metric, values: dict[str, float | None], peers: list[System]) -> str:
+    ours = values.get("pgqueue")
+    theirs = [v for p in peers if (v := values.get(p.key)) is not None and v > 0]
+    if ours is None or not theirs:
+        return "—"
+    best = max(theirs) if metric.better == HIGHER else min(theirs)
+    return f"{ours / best:.2f}x"
+
+
+def dump(results: Results) -> str:
+    return json.dumps(results.as_json(), indent=2)

@@ -1,0 +1,307 @@
+"""The benchmark workloads: each runs one system once, in a fresh database, and measures it.
+
+Throughput of a burn-down is taken over the middle 90 % of the jobs (from 95 % left to 5 % left,
+read from the database every 50 ms), so process start-up and the last stragglers weigh the same
+for every system; CPU is read at the same two samples. Polling costs the database a little CPU,
+the same for every system.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from ..embedded import find_bindir
+from .processes import Adapter, CpuMeter, Databases, System, adapter, run_role
+
+POLL = 0.05
+FILL_BATCH = 5_000
+
+
+@dataclass
+class Context:
+    databases: Databases
+    cpu: CpuMeter
+    logdir: Path
+
+
+def _scaled(system: System, jobs: int) -> int:
+    return max(int(jobs * system.scale), 200)
+
+
+async def _install(ctx: Context, system: System, dsn: str) -> None:
+    await run_role(system, "install", dsn, [], ctx.logdir)
+    if system.after_install:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in system.after_install:
+                conn.execute(statement.encode())
+
+
+async def _fill(ctx: Context, system: System, dsn: str, jobs: int) -> dict[str, Any]:
+    return await run_role(
+        system, "enqueue", dsn, ["--jobs", str(jobs), "--batch", str(FILL_BATCH)], ctx.logdir
+    )
+
+
+def _vacuum(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+
+
+async def enqueue(
+    ctx: Context, system: System, jobs: int, producers: int, batch: int
+) -> dict[str, float]:
+    """Jobs/s of ``producers`` concurrent producers, ``batch`` jobs per transaction."""
+    jobs = _scaled(system, jobs) if batch == 1 else jobs
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        args = ["--jobs", str(jobs), "--producers", str(producers), "--batch", str(batch)]
+        result = await run_role(system, "enqueue", dsn, args, ctx.logdir)
+    return {"rate": float(result["jobs"]) / float(result["seconds"])}
+
+
+async def _start_workers(
+    ctx: Context,
+    system: System,
+    dsn: str,
+    count: int,
+    args: list[str],
+    stack: Any,
+    **extra: Any,
+) -> list[Adapter]:
+    config = ["--config", json.dumps({**system.work_config, **extra})]
+    workers = [
+        await stack.enter_async_context(adapter(system, "work", dsn, [*args, *config], ctx.logdir))
+        for _ in range(count)
+    ]
+    for worker in workers:
+        await worker.next()  # ready
+    return workers
+
+
+async def _stop_workers(workers: list[Adapter]) -> list[dict[str, Any]]:
+    for worker in workers:
+        await worker.send("stop")
+    return [await worker.finish() for worker in workers]
+
+
+async def drain(
+    ctx: Context,
+    system: System,
+    dsn: str,
+    jobs: int,
+    processes: int,
+    concurrency: int,
+    sleep_ms: float = 0.0,
+) -> dict[str, float | None]:
+    """Start workers on ``jobs`` waiting jobs and time them over the middle 90 %."""
+    from contextlib import AsyncExitStack
+
+    args = ["--concurrency", str(concurrency), "--sleep-ms", str(sleep_ms)]
+    async with AsyncExitStack() as stack:
+        workers = await _start_workers(ctx, system, dsn, processes, args, stack)
+        pids = [w.proc.pid for w in workers]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            poller = conn.info.backend_pid
+            high, low = jobs * 0.95, jobs * 0.05
+            marks: list[tuple[float, int, float, float | None]] = []
+            for worker in workers:
+                await worker.send("go")
+            deadline = time.monotonic() + max(120.0, jobs / 50)
+            while time.monotonic() < deadline:
+                row = conn.execute(system.remaining_sql.encode()).fetchone()
+                left = int(row[0]) if row else 0
+                now = time.perf_counter()
+                if (not marks and left <= high) or (len(marks) == 1 and left <= low):
+                    marks.append((now, left, ctx.cpu.processes(pids), ctx.cpu.postgres(poller)))
+                if left == 0:
+                    break
+                await asyncio.sleep(POLL)
+            else:
+                raise RuntimeError(f"{system.label}: {left} of {jobs} jobs left at the deadline")
+        await _stop_workers(workers)
+    (t0, left0, w0, p0), (t1, left1, w1, p1) = marks
+    done = left0 - left1
+    return {
+        "rate": done / (t1 - t0),
+        "worker_cpu_per_1k": (w1 - w0) / done * 1000,
+        "pg_cpu_per_1k": None if p0 is None or p1 is None else (p1 - p0) / done * 1000,
+    }
+
+
+async def process(
+    ctx: Context, system: System, jobs: int, processes: int, concurrency: int, sleep_ms: float
+) -> dict[str, float | None]:
+    jobs = _scaled(system, jobs)
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        await _fill(ctx, system, dsn, jobs)
+        _vacuum(dsn)
+        return await drain(ctx, system, dsn, jobs, processes, concurrency, sleep_ms)
+
+
+async def depth(
+    ctx: Context, system: System, waiting: int, finished: int, concurrency: int
+) -> dict[str, float | None]:
+    """Processing with ``waiting`` jobs queued and ``finished`` old rows in the table."""
+    waiting = _scaled(system, waiting)
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        await run_role(system, "fill-finished", dsn, ["--jobs", str(finished)], ctx.logdir)
+        await _fill(ctx, system, dsn, waiting)
+        _vacuum(dsn)
+        return await drain(ctx, system, dsn, waiting, 1, concurrency)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+async def latency(
+    ctx: Context, system: System, count: int, interval_ms: float, listen: bool, poll: float
+) -> dict[str, float]:
+    """Idle worker, one job every ``interval_ms``: producer commit → handler start."""
+    from contextlib import AsyncExitStack
+
+    args = ["--concurrency", "10", "--record-starts", "--poll", str(poll)]
+    if not listen:
+        args.append("--no-listen")
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        async with AsyncExitStack() as stack:
+            (worker,) = await _start_workers(ctx, system, dsn, 1, args, stack)
+            await worker.send("go")
+            await asyncio.sleep(1.0)  # connected, listening and idle
+            produced = await run_role(
+                system, "produce", dsn,
+                ["--count", str(count), "--interval-ms", str(interval_ms)], ctx.logdir,
+            )  # fmt: skip
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                deadline = time.monotonic() + 30 + poll * 2
+                while time.monotonic() < deadline:
+                    row = conn.execute(system.remaining_sql.encode()).fetchone()
+                    if row and int(row[0]) == 0:
+                        break
+                    await asyncio.sleep(0.05)
+            (result,) = await _stop_workers([worker])
+    commits = {int(k): float(v) for k, v in produced["commits"].items()}
+    starts = {int(k): float(v) for k, v in result["starts"].items()}
+    warm = 5  # the first jobs also pay for connections being opened
+    values = [(starts[s] - commits[s]) * 1000 for s in commits if s in starts and s >= warm]
+    if len(values) < (count - warm) * 0.99:
+        raise RuntimeError(f"{system.label}: only {len(values)} of {count} jobs were timed")
+    return {
+        "p50": percentile(values, 0.50),
+        "p95": percentile(values, 0.95),
+        "p99": percentile(values, 0.99),
+    }
+
+
+async def steady(
+    ctx: Context, system: System, rate: float, duration: float, concurrency: int
+) -> dict[str, float]:
+    """Producers and a worker together at a fixed offered rate: is it sustained, and does the
+    database stay small?"""
+    from contextlib import AsyncExitStack
+
+    size_sql = b"SELECT pg_database_size(current_database())"
+    args = ["--concurrency", str(concurrency)]
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        async with AsyncExitStack() as stack:
+            (worker,) = await _start_workers(ctx, system, dsn, 1, args, stack, keep_small=True)
+            await worker.send("go")
+            await asyncio.sleep(1.0)
+            producer = await stack.enter_async_context(
+                adapter(system, "produce", dsn,
+                        ["--rate", str(rate), "--duration", str(duration)], ctx.logdir)
+            )  # fmt: skip
+            samples: list[tuple[float, int, int, int]] = []  # (t, produced, left, size)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                while True:
+                    line = await producer.next(timeout=duration + 60)
+                    left_row = conn.execute(system.remaining_sql.encode()).fetchone()
+                    size_row = conn.execute(size_sql).fetchone()
+                    assert left_row is not None and size_row is not None
+                    samples.append((line["t"], line["produced"], left_row[0], size_row[0]))
+                    if line.get("done"):
+                        break
+            await producer.finish()
+            await _stop_workers([worker])
+    third = max(len(samples) // 3, 1)
+
+    def completion_rate(part: list[tuple[float, int, int, int]]) -> float:
+        (t0, p0, l0, _), (t1, p1, l1, _) = part[0], part[-1]
+        return ((p1 - l1) - (p0 - l0)) / (t1 - t0) if t1 > t0 else 0.0
+
+    return {
+        "offered": rate,
+        "first_third": completion_rate(samples[:third]),
+        "last_third": completion_rate(samples[-third:]),
+        "max_backlog": float(max(s[2] for s in samples)),
+        "size_start_mb": samples[0][3] / 2**20,
+        "size_end_mb": samples[-1][3] / 2**20,
+    }
+
+
+CEILING_SETUP = """
+CREATE TABLE ceiling_jobs (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    args jsonb NOT NULL,
+    status smallint NOT NULL DEFAULT 0,
+    token bigint
+) WITH (fillfactor = 80);
+CREATE INDEX ceiling_ready ON ceiling_jobs (id) WHERE status = 0;
+CREATE INDEX ceiling_running ON ceiling_jobs (token) WHERE status = 1;
+"""
+
+# One pgbench transaction = the lifecycle of BATCH jobs as three autocommit statements (three
+# durable commits, like a queue that batches everything): insert a batch, claim a batch with
+# SKIP LOCKED under a fresh token, ack that token's batch.
+CEILING_SCRIPT = """
+\\set token random(1, 9000000000000000000)
+INSERT INTO ceiling_jobs (args) SELECT jsonb_build_object('seq', g) FROM generate_series(1, {batch}) g;
+UPDATE ceiling_jobs SET status = 1, token = :token WHERE id IN (SELECT id FROM ceiling_jobs WHERE status = 0 ORDER BY id LIMIT {batch} FOR UPDATE SKIP LOCKED);
+UPDATE ceiling_jobs SET status = 2 WHERE token = :token AND status = 1;
+"""
+
+
+def ceiling(ctx: Context, clients: int, seconds: int, batch: int) -> dict[str, float] | None:
+    """The database's own rate for the same row work, by pgbench (None if pgbench is missing)."""
+    pgbench = shutil.which("pgbench")
+    bindir = find_bindir()
+    if bindir is not None and (bindir / "pgbench").exists():
+        pgbench = str(bindir / "pgbench")
+    if pgbench is None:
+        return None
+    with ctx.databases.fresh() as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(CEILING_SETUP.encode())
+        script = ctx.logdir / "ceiling.sql"
+        script.write_text(CEILING_SCRIPT.format(batch=batch))
+        out = subprocess.run(
+            [pgbench, "-n", "-c", str(clients), "-j", str(min(clients, 2)),
+             "-T", str(seconds), "-f", str(script), dsn],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    tps = [
+        float(line.split("=")[1].split()[0])
+        for line in out.stdout.splitlines()
+        if line.startswith("tps =")
+    ]
+    return {"rate": tps[0] * batch, "batch": float(batch), "clients": float(clients)}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

@@ -1,0 +1,39 @@
+"""`pgqueue bench` works end to end (tiny workloads; figures are not checked, only their shape)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import Server
+
+
+@pytest.mark.slow
+def test_bench_runs_and_prints_json(pg_server: Server) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--quick",
+         "--reps", "1", "--only", "enqueue_bulk,latency_notify", "--json"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    medians = report["medians"]
+    assert medians["enqueue_bulk"]["pgqueue"]["rate"] > 0
+    latency = medians["latency_notify"]["pgqueue"]
+    assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+    assert report["postgresql"]["fsync"] == "on"
+    assert len(report["runs"]["enqueue_bulk"]["pgqueue"]) == 1
+
+
+def test_bench_peers_need_the_adapters(pg_server: Server) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--peers",
+         "--peers-dir", "/nonexistent"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "no peer adapters" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,169 @@
+"""The prefetch buffer: bounded, heartbeated, released on shutdown; and pruning that keeps up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+import pgqueue
+from pgqueue.worker.reaper import PRUNE_BATCH, Reaper
+from pgqueue.worker.state import Phase, WorkerState
+from tests.helpers import running_worker, wait_until_async
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+FAST = {"lease": 1.0, "heartbeat_interval": 0.25, "poll_interval": 0.2, "reaper_interval": 0.3}
+
+
+def statuses(conn: Conn) -> dict[str, int]:
+    rows = conn.execute("SELECT status::text, count(*) FROM pgqueue_jobs GROUP BY 1").fetchall()
+    return {str(status): int(count) for status, count in rows}
+
+
+def unfinished(state: WorkerState) -> int:
+    return sum(1 for h in state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED))
+
+
+async def test_prefetch_never_holds_more_than_concurrency_plus_prefetch(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task
+    async def short() -> None:
+        await asyncio.sleep(0.002)
+
+    app.enqueue_many([("short", {}) for _ in range(600)])
+    peak = peak_prefetched = 0
+    async with running_worker(app, concurrency=4, prefetch=3, **FAST) as worker:
+        state = worker.state
+        assert state is not None
+        while state.counters.succeeded < 600:
+            peak = max(peak, unfinished(state))
+            prefetched = sum(1 for h in state.held.values() if h.phase is Phase.PREFETCHED)
+            peak_prefetched = max(peak_prefetched, prefetched)
+            assert state.running <= 4
+            await asyncio.sleep(0.0005)
+    assert peak <= 4 + 3
+    assert peak_prefetched > 0  # short jobs were in fact claimed ahead of free slots
+    assert statuses(conn) == {"succeeded": 600}
+
+
+async def _worker_with_prefetched_jobs(
+    app: pgqueue.App, release: asyncio.Event, started: list[int]
+) -> None:
+    """Fast jobs first (so the worker learns to prefetch), then one that blocks its only slot,
+    then jobs that wait behind it in the buffer."""
+
+    @app.task
+    async def fast(n: int) -> None:
+        started.append(n)
+
+    @app.task
+    async def blocker(n: int) -> None:
+        started.append(n)
+        await release.wait()
+
+    app.enqueue_many([("fast", {"n": n}) for n in range(300)])
+    app.enqueue("blocker", {"n": 300})
+    app.enqueue_many([("fast", {"n": n}) for n in range(301, 305)])
+
+
+async def _prefetched(worker: Any, started: list[int]) -> list[int]:
+    """The jobs waiting in the buffer behind the blocker, once it holds the only slot."""
+    state = worker.state
+    await wait_until_async(
+        lambda: 300 in started and any(h.phase is Phase.PREFETCHED for h in state.held.values()),
+        timeout=15,
+    )
+    return [h.job.id for h in state.held.values() if h.phase is Phase.PREFETCHED]
+
+
+async def test_prefetched_jobs_are_heartbeated_while_they_wait(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    release = asyncio.Event()
+    started: list[int] = []
+    await _worker_with_prefetched_jobs(app, release, started)
+    async with running_worker(app, concurrency=1, prefetch=4, **FAST) as worker:
+        waiting = await _prefetched(worker, started)
+
+        def expiry() -> dict[int, float]:
+            rows = conn.execute(
+                "SELECT id, extract(epoch FROM lease_expires_at) FROM pgqueue_jobs"
+                " WHERE id = ANY(%s) AND status = 'running'",
+                (waiting,),
+            ).fetchall()
+            return {int(i): float(e) for i, e in rows}
+
+        first = expiry()
+        assert set(first) == set(waiting)
+        await asyncio.sleep(2.5)  # two and a half leases: only heartbeats keep them
+        later = expiry()
+        assert set(later) == set(waiting)
+        assert all(later[i] > first[i] for i in waiting)
+        assert worker.state is not None
+        assert worker.state.counters.stale_writes == 0
+        release.set()
+        await wait_until_async(lambda: statuses(conn) == {"succeeded": 305}, timeout=15)
+    attempts = conn.execute("SELECT max(attempts), count(last_error) FROM pgqueue_jobs").fetchone()
+    assert attempts == (1, 0)
+
+
+async def test_prefetched_jobs_are_released_on_shutdown(app: pgqueue.App, conn: Conn) -> None:
+    release = asyncio.Event()
+    started: list[int] = []
+    await _worker_with_prefetched_jobs(app, release, started)
+    async with running_worker(app, concurrency=1, prefetch=4, grace_period=0.2, **FAST) as worker:
+        waiting = await _prefetched(worker, started)
+        assert waiting
+    rows = conn.execute(
+        "SELECT status::text, attempts, lease_token, worker_id FROM pgqueue_jobs"
+        " WHERE id = ANY(%s)",
+        (waiting,),
+    ).fetchall()
+    assert rows and all(row == ("queued", 0, None, None) for row in rows)
+    # The blocked handler was cancelled after the grace period and given back as well.
+    assert statuses(conn).get("running", 0) == 0
+    assert not set(waiting) & {n + 1 for n in started}  # ids are 1-based; none of them ran
+
+
+async def test_pruning_keeps_up_with_a_busy_queue(dsn: str, conn: Conn) -> None:
+    total = PRUNE_BATCH * 2 + 500
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, status, finished_at)"
+        " SELECT 'default', 'old', 'succeeded', now() - interval '2 hours'"
+        " FROM generate_series(1, %s)",
+        (total,),
+    )
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, status, finished_at)"
+        " VALUES ('default', 'recent', 'succeeded', now())"
+    )
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+        dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+    )
+    await pool.open()
+    try:
+        app = pgqueue.App(dsn)
+        reaper = Reaper(
+            pool, app.q, WorkerState(concurrency=1), backoff=app.backoff,
+            interval=1.0, lease=30.0, retention=3600.0,
+        )  # fmt: skip
+        started = time.monotonic()
+        assert await reaper.prune() == total
+        assert time.monotonic() - started < 60
+        assert reaper.prune_every() == 60
+    finally:
+        await pool.close()
+    assert conn.execute("SELECT task FROM pgqueue_jobs").fetchall() == [("recent",)]
+
+
+def test_prefetch_must_be_a_non_negative_integer(app: pgqueue.App) -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(pgqueue.ConfigurationError, match="prefetch"):
+            app.worker(prefetch=bad)
+    assert app.worker(concurrency=7).prefetch == 7
+    assert app.worker(concurrency=7, prefetch=0).prefetch == 0
