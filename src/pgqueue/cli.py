@@ -245,6 +245,13 @@ def status(dsn: str | None, schema: str) -> None:
 @click.option("--poll-interval", type=float, default=1.0, show_default=True)
 @click.option("--grace-period", type=float, default=30.0, show_default=True)
 @click.option("--no-listen", is_flag=True, help="Poll only; do not LISTEN for NOTIFY.")
+@click.option(
+    "--event-loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+    help="auto: uvloop when installed.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @db_options
 @friendly_errors
@@ -258,6 +265,7 @@ def worker(
     poll_interval: float,
     grace_period: float,
     no_listen: bool,
+    event_loop: str,
     log_level: str,
     dsn: str | None,
     schema: str,
@@ -276,6 +284,7 @@ def worker(
         poll_interval=poll_interval,
         grace_period=grace_period,
         listen=not no_listen,
+        event_loop=event_loop,
     )
 
 

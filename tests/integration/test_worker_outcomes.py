@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import pgqueue
-from tests.helpers import running_worker, wait_until_async
+from tests.helpers import running_worker, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
@@ -283,3 +283,34 @@ async def test_polling_is_the_fallback_when_listen_is_off(
     async with running_worker(app, listen=listen, **FAST):
         ping.enqueue()
         await asyncio.wait_for(done.wait(), 5)
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_run_sync_on_either_event_loop(app: pgqueue.App, conn: Conn, event_loop: str) -> None:
+    import threading
+
+    seen: list[str] = []
+
+    @app.task
+    async def which() -> str:
+        name = type(asyncio.get_running_loop()).__module__
+        seen.append(name)
+        return name
+
+    job_id = which.enqueue()
+    worker = app.worker(install_signal_handlers=False, event_loop=event_loop, **FAST)
+    thread = threading.Thread(target=worker.run_sync)
+    thread.start()
+    try:
+        wait_until(status_is(conn, job_id, "succeeded"))
+    finally:
+        wait_until(worker.started.is_set)
+        worker.stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert seen and seen[0].startswith("uvloop" if event_loop == "uvloop" else "asyncio")
+
+
+def test_unknown_event_loop_is_refused(app: pgqueue.App) -> None:
+    with pytest.raises(pgqueue.ConfigurationError, match="event_loop must be one of"):
+        app.worker(event_loop="trio")

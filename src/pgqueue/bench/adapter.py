@@ -92,5 +92,13 @@ class PgqueueAdapter:
         stop.cancel()
 
 
+def _run(main: Any) -> Any:
+    """The loop ``pgqueue worker`` uses (uvloop when installed)."""
+    from ..worker.runtime import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+        return runner.run(main)
+
+
 if __name__ == "__main__":
-    driver.main(PgqueueAdapter())
+    driver.main(PgqueueAdapter(), _run)

@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pgqueue.worker")
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop for ``choice`` (see ``Worker``); None is asyncio's default."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigurationError(
+                "event_loop 'uvloop' needs the uvloop package: pip install uvloop"
+            ) from None
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 _STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
 
 
@@ -57,7 +77,10 @@ class Worker:
     - ``grace_period``: seconds running jobs get to finish on SIGTERM (default 30);
     - ``reaper_interval``: how often expired leases are looked for (default the heartbeat
       interval); ``retention``: seconds succeeded/cancelled jobs are kept (default one day,
-      None keeps them).
+      None keeps them);
+    - ``event_loop``: the loop ``run_sync`` starts: ``"auto"`` (uvloop when it is installed, as
+      it is by default on Linux and macOS: the loop's cost is paid per job), ``"uvloop"`` or
+      ``"asyncio"``. ``await worker.run()`` runs on whatever loop the caller has.
     """
 
     def __init__(
@@ -76,6 +99,7 @@ class Worker:
         retention: float | None = 86400.0,
         install_signal_handlers: bool = True,
         flush_interval: float = 0.002,
+        event_loop: str = "auto",
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError("concurrency must be a positive integer")
@@ -91,6 +115,8 @@ class Worker:
             )
         if not poll_interval > 0 or not grace_period >= 0:
             raise ConfigurationError("poll_interval must be positive and grace_period >= 0")
+        if event_loop not in EVENT_LOOPS:
+            raise ConfigurationError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         if queues is not None:
             queues = [q.strip() for q in queues if q.strip()]
             if not queues:
@@ -109,6 +135,7 @@ class Worker:
         self.id = uuid.uuid4()
         self.concurrency = concurrency
         self.prefetch = prefetch
+        self.event_loop = event_loop
         self.state: WorkerState | None = None
         self.started = threading.Event()
         self.stopped = threading.Event()
@@ -121,7 +148,8 @@ class Worker:
     # --- public ---------------------------------------------------------------------------
 
     def run_sync(self) -> None:
-        asyncio.run(self.run())
+        with asyncio.Runner(loop_factory=loop_factory(self.event_loop)) as runner:
+            runner.run(self.run())
 
     def stop(self) -> None:
         """Ask for a graceful stop; safe from any thread."""
