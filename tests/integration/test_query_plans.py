@@ -100,7 +100,7 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
     ids, tokens = [r[0] for r in held], [r[1] for r in held]
     n = len(ids)
     q = queries("public")
-    statements = {
+    statements: dict[str, tuple[bytes, dict[str, Any]]] = {
         "complete_jobs": (
             q.complete_jobs,
             {
