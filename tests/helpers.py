@@ -114,10 +114,12 @@ class WorkerProcesses:
 
 
 @contextlib.contextmanager
-def worker_process(dsn: str, *args: str, app: str) -> Iterator[subprocess.Popen[bytes]]:
+def worker_process(
+    dsn: str, *args: str, app: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """One real worker process for the duration of the block, stopped gracefully after."""
     with tempfile.TemporaryDirectory(prefix="pgqueue-worker-") as logdir:
-        procs = WorkerProcesses(dsn, app, Path(logdir))
+        procs = WorkerProcesses(dsn, app, Path(logdir), env)
         try:
             yield procs.start(*args)
         finally:

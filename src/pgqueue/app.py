@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
@@ -44,8 +45,16 @@ class App:
         default_queue: str = "default",
         max_payload_bytes: int = producer.DEFAULT_MAX_PAYLOAD,
         backoff: Backoff | None = None,
+        prepared_statements: bool | None = None,
     ) -> None:
         self._dsn = dsn
+        #: False for PgBouncer's transaction pooling before 1.21 (see the PgBouncer guide): psycopg
+        #: then never prepares statements server-side on pgqueue's connections. Default: on,
+        #: unless ``$PGQUEUE_PREPARED_STATEMENTS`` is off, so CLI commands can turn it off too.
+        if prepared_statements is None:
+            setting = os.environ.get("PGQUEUE_PREPARED_STATEMENTS")
+            prepared_statements = db.parse_flag("PGQUEUE_PREPARED_STATEMENTS", setting, True)
+        self.prepared_statements = prepared_statements
         self.schema = db.validate_schema(schema)
         self.default_queue = producer.check_name("queue", default_queue, producer.MAX_QUEUE_LENGTH)
         if max_payload_bytes <= 0:
@@ -180,6 +189,11 @@ class App:
 
     # --- pools ----------------------------------------------------------------------------
 
+    @property
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for every connection pgqueue opens for this app."""
+        return {} if self.prepared_statements else {"prepare_threshold": None}
+
     def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
         with self._pool_lock:
             if self._pool is None:
@@ -189,7 +203,7 @@ class App:
                     dsn,
                     min_size=1,
                     max_size=8,
-                    kwargs={"autocommit": True},
+                    kwargs={"autocommit": True, **self.connect_options},
                     open=False,
                     timeout=10,
                     name="pgqueue-producer",
@@ -208,7 +222,7 @@ class App:
                 dsn,
                 min_size=1,
                 max_size=8,
-                kwargs={"autocommit": True},
+                kwargs={"autocommit": True, **self.connect_options},
                 open=False,
                 timeout=10,
                 name="pgqueue-producer-async",
@@ -434,7 +448,7 @@ class App:
 
     def migrate(self) -> list[int]:
         """Apply pending schema migrations; returns the versions applied."""
-        with db.connect(self.dsn) as conn:
+        with db.connect(self.dsn, **self.connect_options) as conn:
             return apply_migrations(conn, self.schema)
 
     # --- workers --------------------------------------------------------------------------

@@ -31,6 +31,20 @@ def resolve_dsn(dsn: str | None = None) -> str:
     return value
 
 
+_FLAGS = {"1": True, "on": True, "true": True, "yes": True,
+          "0": False, "off": False, "false": False, "no": False}  # fmt: skip
+
+
+def parse_flag(name: str, value: str | None, default: bool) -> bool:
+    """An on/off setting from the environment; anything else is a clear error."""
+    if value is None or not value.strip():
+        return default
+    try:
+        return _FLAGS[value.strip().lower()]
+    except KeyError:
+        raise ConfigurationError(f"{name} must be on or off, got {value!r}") from None
+
+
 def validate_schema(schema: str) -> str:
     """Accept plain identifiers only; quotes, dots and semicolons are refused outright."""
     if not isinstance(schema, str) or not _SCHEMA_RE.match(schema):

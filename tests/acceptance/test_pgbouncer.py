@@ -25,7 +25,7 @@ from psycopg import conninfo
 import pgqueue
 from pgqueue.dashboard.database import session_options
 from pgqueue.embedded import free_port
-from tests.helpers import wait_until, worker_process
+from tests.helpers import WorkerProcesses, wait_until, worker_process
 
 pytestmark = pytest.mark.acceptance
 
@@ -144,6 +144,50 @@ def test_transaction_pooling_needs_pgbouncers_prepared_statement_support(
             producer.close()
         with worker_process(through, "--no-listen", "--poll-interval", "0.2", app=APP):
             wait_until(lambda: succeeded(conn) == jobs, timeout=60)
+
+
+@requires_pgbouncer
+@pytest.mark.timeout(120)
+def test_transaction_pooling_works_on_any_version_without_prepared_statements(
+    dsn: str, conn: Conn, tmp_path: Path
+) -> None:
+    """prepared_statements=False (PGQUEUE_PREPARED_STATEMENTS=off for the CLI): producers and a
+    --no-listen worker through transaction pooling, no max_prepared_statements needed. Every
+    statement runs many times on each connection: claims, acks and heartbeats well past
+    psycopg's preparation threshold."""
+    with pgbouncer(dsn, "transaction") as through:
+        producer = pgqueue.App(through, prepared_statements=False)
+        env = {"PGQUEUE_PREPARED_STATEMENTS": "off"}
+        procs = WorkerProcesses(through, APP, tmp_path, env)
+        try:
+            procs.start("--no-listen", "--poll-interval", "0.05", "--concurrency", "2",
+                        "--lease", "1", "--heartbeat-interval", "0.1")  # fmt: skip
+            for round_ in range(1, 4):
+                for _ in range(40):
+                    producer.enqueue("greet", {"name": "x"}, allow_unknown=True)
+                expected = 40 * round_
+                wait_until(lambda: succeeded(conn) == expected, timeout=60)  # noqa: B023
+            row = conn.execute(
+                "SELECT max(attempts), count(*) FILTER (WHERE last_error IS NOT NULL)"
+                " FROM pgqueue_jobs"
+            ).fetchone()
+            assert row == (1, 0)
+        finally:
+            producer.close()
+            procs.stop_all(15)
+        assert "prepared statement" not in procs.output()
+        assert all(proc.returncode == 0 for proc in procs.procs), procs.output()
+
+
+def test_prepared_statements_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PGQUEUE_PREPARED_STATEMENTS", "off")
+    assert pgqueue.App("postgresql://x/y").connect_options == {"prepare_threshold": None}
+    assert pgqueue.App("postgresql://x/y", prepared_statements=True).connect_options == {}
+    monkeypatch.setenv("PGQUEUE_PREPARED_STATEMENTS", "maybe")
+    with pytest.raises(pgqueue.ConfigurationError, match="must be on or off"):
+        pgqueue.App("postgresql://x/y")
 
 
 @requires_pgbouncer

@@ -20,7 +20,6 @@ from uuid import UUID
 import psycopg
 
 from ..sql import Queries
-from .notifier import KEEPALIVES
 from .state import Held, Phase, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
@@ -41,7 +40,7 @@ class Heartbeat:
         lease: float,
         interval: float,
         on_lost: Callable[[Held], None],
-        application_name: str,
+        connect_kwargs: dict[str, Any],
     ) -> None:
         self.dsn = dsn
         self.q = q
@@ -51,15 +50,13 @@ class Heartbeat:
         self.lease = lease
         self.interval = interval
         self.on_lost = on_lost
-        self.application_name = application_name
+        self.connect_kwargs = connect_kwargs
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self.beats = 0
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self.conn is None or self.conn.closed or self.conn.broken:
-            self.conn = await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True, application_name=self.application_name, **KEEPALIVES
-            )
+            self.conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
         return self.conn
 
     async def beat(self) -> None:

@@ -37,13 +37,13 @@ class Notifier:
         channel: str,
         queues: frozenset[str] | None,
         wake: Callable[[], None],
-        application_name: str,
+        connect_kwargs: dict[str, Any],
     ) -> None:
         self.dsn = dsn
         self.channel = channel
         self.queues = queues
         self.wake = wake
-        self.application_name = application_name
+        self.connect_kwargs = connect_kwargs
         self.listening = asyncio.Event()
         self.reconnects = 0
 
@@ -65,9 +65,7 @@ class Notifier:
             self.reconnects += 1
 
     async def _listen(self, stopping: asyncio.Event) -> None:
-        conn = await psycopg.AsyncConnection.connect(
-            self.dsn, autocommit=True, application_name=self.application_name, **KEEPALIVES
-        )
+        conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
         async with conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             self.listening.set()

@@ -164,6 +164,15 @@ class Worker:
         q = self.app.q
         name = f"pgqueue-worker:{os.getpid()}"
         await self._check_database(dsn)
+
+        def connect_kwargs(role: str) -> dict[str, Any]:
+            return {
+                "autocommit": True,
+                "application_name": f"{name}:{role}",
+                **KEEPALIVES,
+                **self.app.connect_options,
+            }
+
         pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             dsn,
             min_size=2,
@@ -171,16 +180,14 @@ class Worker:
             open=False,
             timeout=10,
             name="pgqueue-worker",
-            kwargs={"autocommit": True, "application_name": f"{name}:pool", **KEEPALIVES},
+            kwargs=connect_kwargs("pool"),
         )
         await pool.open()
         # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
         # returns, and the headroom keeps such threads from starving the next handlers
         # (threads are only started when needed).
         threads = ThreadPoolExecutor(2 * self.concurrency, thread_name_prefix="pgqueue-task")
-        self.transactions = Transactions(
-            dsn, q, self.concurrency, application_name=f"{name}:handler"
-        )
+        self.transactions = Transactions(dsn, q, self.concurrency, connect_kwargs("handler"))
         self.executor = Executor(self.app, self.id, threads, self.transactions)
         self.completer = Completer(pool, q, self._on_written, flush_interval=self.flush_interval)
         self.fetcher = Fetcher(
@@ -202,7 +209,7 @@ class Worker:
             lease=self.lease,
             interval=self.heartbeat_interval,
             on_lost=self._on_lost,
-            application_name=f"{name}:heartbeat",
+            connect_kwargs=connect_kwargs("heartbeat"),
         )
         self.reaper = Reaper(
             pool,
@@ -218,7 +225,7 @@ class Worker:
             db.channel_for(self.app.schema),
             frozenset(self.queues) if self.queues is not None else None,
             self.fetcher.notify,
-            f"{name}:listen",
+            connect_kwargs("listen"),
         )
         self.scheduler = Scheduler(self.app, interval=min(self.poll_interval, 1.0))
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)

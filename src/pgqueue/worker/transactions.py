@@ -21,7 +21,6 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..sql import Queries
-from .notifier import KEEPALIVES
 
 #: Given the handler's result, the parameters of its success ack (``complete_jobs``).
 AckParams = Callable[[Any], dict[str, Any]]
@@ -32,11 +31,11 @@ class CommitUncertainError(Exception):
 
 
 class Transactions:
-    def __init__(self, dsn: str, q: Queries, size: int, application_name: str) -> None:
+    def __init__(self, dsn: str, q: Queries, size: int, connect_kwargs: dict[str, Any]) -> None:
         self.dsn = dsn
         self.q = q
         self.size = size
-        self.kwargs = {"autocommit": False, "application_name": application_name, **KEEPALIVES}
+        self.kwargs = {**connect_kwargs, "autocommit": False}
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()
