@@ -171,7 +171,8 @@ DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 -- are one statement guarded on the lease itself: the find reads the statement's snapshot, and
 -- when a found row changed since (completed, re-claimed, extended), READ COMMITTED re-checks
 -- the outer WHERE on the newest version, where token, status or expiry no longer match, so the
--- row is left alone. Rows being acked are waited for (briefly), then re-checked the same way.
+-- row is left alone. Rows being acked are waited for (at most Reaper.LOCK_WAIT, then
+-- reap_expired_leases_skip_locked takes over), then re-checked the same way.
 -- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row and
 -- before updating it, so tests can complete or re-claim the job in exactly that gap.
 UPDATE {schema}.pgqueue_jobs j
@@ -194,6 +195,35 @@ FROM (
 WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
   AND j.lease_expires_at < now()
   AND (%(pause)s::float8 = 0 OR pg_sleep(%(pause)s::float8) IS NOT NULL)
+RETURNING j.id, j.status::text, j.attempts
+
+-- name: reap_expired_leases_skip_locked
+-- The fallback when reap_expired_leases waited too long on a row lock (Reaper.LOCK_WAIT): a
+-- worker holds a transaction open on one of the rows between its fenced ack and its COMMIT
+-- (stalled, or cut off from the server, with transactional completion). Waiting for it would
+-- stop all reaping until it resumes. Here the find locks what it takes and skips rows locked now;
+-- a skipped row's holder may still commit its ack (its token is still valid), and if it never
+-- does, the row is found again once the server ends that transaction.
+UPDATE {schema}.pgqueue_jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
+             ::{schema}.pgqueue_status,
+    run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at
+                  ELSE now() + make_interval(secs => random() * least(
+                      %(backoff_cap)s::float8,
+                      %(backoff_base)s::float8 * power(2, greatest(j.attempts - 1, 0))))
+             END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    last_error = 'LeaseExpired: worker ' || COALESCE(j.worker_id::text, '?')
+                 || ' stopped extending its lease (crashed, stalled or lost its connection)',
+    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
+FROM (
+    SELECT id, lease_token FROM {schema}.pgqueue_jobs
+    WHERE status = 'running' AND lease_expires_at < now()
+    LIMIT 1000
+    FOR UPDATE SKIP LOCKED
+) expired
+WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
+  AND j.lease_expires_at < now()
 RETURNING j.id, j.status::text, j.attempts
 
 -- name: prune_workers

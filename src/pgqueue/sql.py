@@ -56,6 +56,7 @@ class Queries:
     register_worker: bytes
     deregister_worker: bytes
     reap_expired_leases: bytes
+    reap_expired_leases_skip_locked: bytes
     prune_workers: bytes
     prune_finished_jobs: bytes
     # schedules

@@ -309,3 +309,83 @@ async def test_a_service_that_ends_stops_the_worker_with_an_error(
     worker = app.worker(install_signal_handlers=False, **FAST)
     with pytest.raises(pgqueue.PgQueueError, match="its reaper service ended unexpectedly"):
         await asyncio.wait_for(worker.run(), 30)
+
+
+async def test_a_stalled_ack_holds_up_no_other_reaping(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """A worker stopped between its ack and its COMMIT (SIGSTOP, a cut network) keeps that row
+    locked. The reaper waits for it only briefly, then reaps every other expired lease around it
+    and leaves the locked row to its holder, whose fenced ack may still commit."""
+    from pgqueue.worker.reaper import LOCK_WAIT_MS, Reaper
+    from pgqueue.worker.state import WorkerState
+
+    stuck = app.enqueue("t", {}, allow_unknown=True)
+    others = [app.enqueue("t", {}, allow_unknown=True) for _ in range(3)]
+    tokens = {r[0]: r[6] for r in claim(app, conn, uuid.uuid4())}
+    for job_id in [stuck, *others]:
+        expire(conn, job_id)
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+        dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+    )
+    await pool.open()
+    reaper = Reaper(
+        pool, app.q, WorkerState(concurrency=1), backoff=app.backoff,
+        interval=1.0, lease=30.0, retention=None,
+    )  # fmt: skip
+    try:
+        with psycopg.connect(dsn) as holder:
+            assert complete(app, holder, stuck, tokens[stuck]) == [(stuck,)]  # not committed
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await asyncio.wait_for(reaper.reap(), 10) == 3
+            assert loop.time() - started < LOCK_WAIT_MS / 1000 + 5
+            assert reaper.lock_waits == 1
+            assert [row(conn, j)[0] for j in others] == ["retrying"] * 3
+            holder.commit()
+        assert row(conn, stuck)[:2] == ("succeeded", 1)
+        assert await reaper.reap() == 0
+        assert reaper.lock_waits == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_lost_attempt_counts_once_even_if_its_ack_is_also_refused(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The heartbeat finds the lease gone and cancels the handler, which finishes anyway (it
+    swallows the cancellation), so its ack is sent and refused too: one lost attempt, one stale
+    write, in the counters and in the dashboard's statistics."""
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    @app.task(queue="lostonce")
+    async def stubborn() -> str:
+        started.set()
+        try:
+            await finish.wait()
+        except asyncio.CancelledError:
+            await finish.wait()
+        return "late"
+
+    job_id = stubborn.enqueue()
+    options = {**FAST, "lease": 60.0, "heartbeat_interval": 30.0}
+    async with running_worker(app, **options) as worker:
+        await asyncio.wait_for(started.wait(), 10)
+        conn.execute(
+            "UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (uuid.uuid4(), job_id)
+        )
+        await worker.heartbeat.beat()  # finds the lease gone: counted, handler cancelled
+        finish.set()
+        state = worker.state
+        assert state is not None
+        await wait_until_async(lambda: job_id not in state.held)
+        assert state.counters.stale_writes == 1
+
+        def lost() -> int:
+            found = conn.execute(
+                "SELECT coalesce(sum(lost), 0)::int FROM pgqueue_stats WHERE queue = 'lostonce'"
+            ).fetchone()
+            return int(found[0]) if found else 0
+
+        await wait_until_async(lambda: lost() >= 1)
+    assert lost() == 1

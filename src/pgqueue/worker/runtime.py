@@ -465,8 +465,10 @@ class Worker:
                     outcome.job_id,
                 )
                 if held is None or not held.lost:
+                    # Once per attempt: a heartbeat that already found this lease gone counted
+                    # it (an ack can still be on its way when that happens).
                     self._count_stale(outcome.job_id)
-                self.recorder.record(outcome.queue, "lost", None, None)
+                    self.recorder.record(outcome.queue, "lost", None, None)
                 continue
             kind = _STATS_KIND[outcome.status.value]
             self.recorder.record(outcome.queue, kind, outcome.pickup_seconds, outcome.run_seconds)
