@@ -10,14 +10,25 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import psycopg
 
 import pgqueue
 from pgqueue.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:
+    """Another holder takes the job over (as after a reap and a re-claim elsewhere): its new
+    lease token, which the old holder's writes no longer match."""
+    token = uuid.uuid4()
+    conn.execute("UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (token, job_id))
+    return token
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:

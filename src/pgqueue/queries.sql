@@ -54,7 +54,9 @@ GROUP BY queue, status ORDER BY queue, status
 -- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
 -- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
 -- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
--- batch back in claim order.
+-- batch back in claim order. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter
+-- empty, and as claim_jobs_in_queues restricted to a list of queues, which then reads
+-- pgqueue_jobs_ready_queue_idx when it is one queue.
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
@@ -62,28 +64,7 @@ WITH claimed AS (
         worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
     WHERE j.id = ANY(ARRAY(
         SELECT id FROM {schema}.pgqueue_jobs
-        WHERE status IN ('queued', 'retrying') AND run_at <= now()
-        ORDER BY priority DESC, run_at, id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    ))
-    RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts, j.lease_token,
-              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
-              j.priority, j.run_at
-)
-SELECT id, queue, task, args, attempts, max_attempts, lease_token, pickup_seconds
-FROM claimed ORDER BY priority DESC, run_at, id
-
--- name: claim_jobs_in_queues
--- The same claim restricted to a list of queues (pgqueue_jobs_ready_queue_idx when it is one).
-WITH claimed AS (
-    UPDATE {schema}.pgqueue_jobs j
-    SET status = 'running', attempts = j.attempts + 1, lease_token = gen_random_uuid(),
-        lease_expires_at = now() + make_interval(secs => %(lease)s),
-        worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
-    WHERE j.id = ANY(ARRAY(
-        SELECT id FROM {schema}.pgqueue_jobs
-        WHERE status IN ('queued', 'retrying') AND run_at <= now() AND queue = ANY(%(queues)s)
+        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
         ORDER BY priority DESC, run_at, id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
@@ -171,8 +152,14 @@ DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 -- are one statement guarded on the lease itself: the find reads the statement's snapshot, and
 -- when a found row changed since (completed, re-claimed, extended), READ COMMITTED re-checks
 -- the outer WHERE on the newest version, where token, status or expiry no longer match, so the
--- row is left alone. Rows being acked are waited for (at most Reaper.LOCK_WAIT, then
--- reap_expired_leases_skip_locked takes over), then re-checked the same way.
+-- row is left alone. Rows being acked are waited for, then re-checked the same way; but at
+-- most reaper.LOCK_WAIT_MS. A longer wait means a worker holds a transaction open between its
+-- fenced ack and its COMMIT (stalled, or cut off from the server, with transactional
+-- completion), and waiting would stop all reaping until it resumes. The reaper then runs
+-- reap_expired_leases_skip_locked, this statement rendered with find_lock (sql.VARIANTS): the
+-- find locks what it takes and skips rows locked now. A skipped row's holder may still commit
+-- its ack (its token is still valid); if it never does, the row is found again once the server
+-- ends that transaction.
 -- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row and
 -- before updating it, so tests can complete or re-claim the job in exactly that gap.
 UPDATE {schema}.pgqueue_jobs j
@@ -190,40 +177,11 @@ SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' 
 FROM (
     SELECT id, lease_token FROM {schema}.pgqueue_jobs
     WHERE status = 'running' AND lease_expires_at < now()
-    LIMIT 1000
+    LIMIT 1000 {find_lock}
 ) expired
 WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
   AND j.lease_expires_at < now()
   AND (%(pause)s::float8 = 0 OR pg_sleep(%(pause)s::float8) IS NOT NULL)
-RETURNING j.id, j.status::text, j.attempts
-
--- name: reap_expired_leases_skip_locked
--- The fallback when reap_expired_leases waited too long on a row lock (Reaper.LOCK_WAIT): a
--- worker holds a transaction open on one of the rows between its fenced ack and its COMMIT
--- (stalled, or cut off from the server, with transactional completion). Waiting for it would
--- stop all reaping until it resumes. Here the find locks what it takes and skips rows locked now;
--- a skipped row's holder may still commit its ack (its token is still valid), and if it never
--- does, the row is found again once the server ends that transaction.
-UPDATE {schema}.pgqueue_jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
-             ::{schema}.pgqueue_status,
-    run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at
-                  ELSE now() + make_interval(secs => random() * least(
-                      %(backoff_cap)s::float8,
-                      %(backoff_base)s::float8 * power(2, greatest(j.attempts - 1, 0))))
-             END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-    last_error = 'LeaseExpired: worker ' || COALESCE(j.worker_id::text, '?')
-                 || ' stopped extending its lease (crashed, stalled or lost its connection)',
-    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
-FROM (
-    SELECT id, lease_token FROM {schema}.pgqueue_jobs
-    WHERE status = 'running' AND lease_expires_at < now()
-    LIMIT 1000
-    FOR UPDATE SKIP LOCKED
-) expired
-WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
-  AND j.lease_expires_at < now()
 RETURNING j.id, j.status::text, j.attempts
 
 -- name: prune_workers

@@ -18,13 +18,27 @@ from .db import channel_for, validate_schema
 _SECTION = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
-def render(text: str, schema: str) -> bytes:
-    """Substitute the quoted schema and channel into a statement or migration."""
+def render(text: str, schema: str, **fragments: str) -> bytes:
+    """Substitute the quoted schema and channel, and any SQL ``fragments`` (constant text of
+    ours, never values), into a statement or migration."""
     composed = sql.SQL(text).format(
         schema=sql.Identifier(validate_schema(schema)),
         channel=sql.Literal(channel_for(schema)),
+        **{name: sql.SQL(fragment) for name, fragment in fragments.items()},
     )
     return composed.as_string().encode()
+
+
+#: Statements written once in queries.sql and rendered twice: the variant's name → its base
+#: section and the fragments it fills in. In the base every fragment is empty.
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "claim_jobs_in_queues": ("claim_jobs", {"queue_filter": "AND queue = ANY(%(queues)s)"}),
+    "reap_expired_leases_skip_locked": (
+        "reap_expired_leases",
+        {"find_lock": "FOR UPDATE SKIP LOCKED"},
+    ),
+}
+_EMPTY = {name: "" for _, fragments in VARIANTS.values() for name in fragments}
 
 
 def load_sections(package: str = "pgqueue", filename: str = "queries.sql") -> dict[str, str]:
@@ -77,9 +91,14 @@ class Queries:
 def queries(schema: str) -> Queries:
     sections = _sections()
     names = {f.name for f in dataclasses.fields(Queries)}
-    if set(sections) != names:
-        raise RuntimeError(f"queries.sql and Queries disagree: {sorted(set(sections) ^ names)}")
-    return Queries(**{name: render(body, schema) for name, body in sections.items()})
+    if set(sections) | set(VARIANTS) != names:
+        raise RuntimeError(
+            f"queries.sql and Queries disagree: {sorted((set(sections) | set(VARIANTS)) ^ names)}"
+        )
+    rendered = {name: render(body, schema, **_EMPTY) for name, body in sections.items()}
+    for name, (base, fragments) in VARIANTS.items():
+        rendered[name] = render(sections[base], schema, **{**_EMPTY, **fragments})
+    return Queries(**rendered)
 
 
 @cache

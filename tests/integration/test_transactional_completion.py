@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from typing import Any
 
 import psycopg
 import pytest
 
 import pgqueue
-from tests.helpers import running_worker, wait_until_async
+from tests.helpers import give_lease_away, running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
@@ -99,10 +98,7 @@ async def test_lost_lease_rolls_back_the_handlers_writes(app: pgqueue.App, effec
     options = {**FAST, "lease": 60.0, "heartbeat_interval": 30.0}
     async with running_worker(app, **options) as worker:
         await asyncio.wait_for(wrote.wait(), 10)
-        new_token = uuid.uuid4()  # another holder took over (reaped and re-claimed)
-        effects.execute(
-            "UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (new_token, job_id)
-        )
+        give_lease_away(effects, job_id)
         finish.set()
         assert worker.state is not None
         state = worker.state

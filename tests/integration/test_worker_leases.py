@@ -19,7 +19,7 @@ import pgqueue
 from pgqueue.jobs import Status
 from pgqueue.worker.completer import Completer
 from pgqueue.worker.executor import Outcome
-from tests.helpers import running_worker, wait_until, wait_until_async
+from tests.helpers import give_lease_away, running_worker, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
@@ -184,10 +184,7 @@ async def test_heartbeat_that_finds_the_lease_gone_cancels_the_handler(
     job_id = long_running.enqueue()
     async with running_worker(app, **FAST) as worker:
         await asyncio.wait_for(started.wait(), 10)
-        # Another holder took over (as after a reap and a re-claim elsewhere).
-        conn.execute(
-            "UPDATE pgqueue_jobs SET lease_token = gen_random_uuid() WHERE id = %s", (job_id,)
-        )
+        give_lease_away(conn, job_id)
         await asyncio.wait_for(cancelled.wait(), 10)
         assert worker.state is not None
         assert worker.state.counters.stale_writes == 1
@@ -220,8 +217,7 @@ async def test_late_result_of_a_lost_lease_is_refused_and_counted(
     options = {**FAST, "lease": 60.0, "heartbeat_interval": 30.0}
     async with running_worker(app, **options) as worker:
         await asyncio.wait_for(started.wait(), 10)
-        new_token = uuid.uuid4()
-        conn.execute("UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (new_token, job_id))
+        new_token = give_lease_away(conn, job_id)
         finish.set()
         assert worker.state is not None
         state = worker.state
@@ -371,9 +367,7 @@ async def test_a_lost_attempt_counts_once_even_if_its_ack_is_also_refused(
     options = {**FAST, "lease": 60.0, "heartbeat_interval": 30.0}
     async with running_worker(app, **options) as worker:
         await asyncio.wait_for(started.wait(), 10)
-        conn.execute(
-            "UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (uuid.uuid4(), job_id)
-        )
+        give_lease_away(conn, job_id)
         await worker.heartbeat.beat()  # finds the lease gone: counted, handler cancelled
         finish.set()
         state = worker.state
