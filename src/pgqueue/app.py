@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -339,8 +340,12 @@ class App:
         except PoolTimeout as exc:
             raise db.unavailable(self.dsn, exc) from None
 
-    def _rows(self, jobs: Iterable[JobSpec], allow_unknown: bool) -> list[producer.JobRow]:
-        rows = []
+    def _row_chunks(
+        self, jobs: Iterable[JobSpec], allow_unknown: bool
+    ) -> Iterator[list[producer.JobRow]]:
+        """The jobs checked and serialised, ``COPY_CHUNK`` at a time (lazily: see
+        ``producer.copy_rows``)."""
+        rows: list[producer.JobRow] = []
         # (task, args) pairs, the common bulk form, share their task's checked defaults: per job
         # only the arguments are checked and serialised.
         templates: dict[str, producer.JobRow] = {}
@@ -357,6 +362,9 @@ class App:
                 except (InvalidJobError, UnknownTaskError) as exc:
                     raise type(exc)(f"job #{index}: {exc}") from None
                 rows.append(template.with_args(args))
+                if len(rows) == producer.COPY_CHUNK:
+                    yield rows
+                    rows = []
                 continue
             if isinstance(spec, tuple):
                 if len(spec) != 2:
@@ -390,7 +398,20 @@ class App:
                 )
             except (InvalidJobError, UnknownTaskError) as exc:
                 raise type(exc)(f"job #{index}: {exc}") from None
-        return rows
+            if len(rows) == producer.COPY_CHUNK:
+                yield rows
+                rows = []
+        if rows:
+            yield rows
+
+    def _checked_chunks(
+        self, jobs: Iterable[JobSpec], allow_unknown: bool
+    ) -> Iterator[list[producer.JobRow]] | None:
+        """None for no jobs. The first chunk is checked before any connection is taken, so a
+        small batch with a bad job fails without touching the database."""
+        chunks = self._row_chunks(jobs, allow_unknown)
+        first = next(chunks, None)
+        return None if first is None else itertools.chain([first], chunks)
 
     def enqueue_many(
         self,
@@ -399,15 +420,17 @@ class App:
         connection: psycopg.Connection[Any] | None = None,
         allow_unknown: bool = False,
     ) -> int:
-        """Queue many jobs with one COPY and return how many. Every job is checked first: one
-        bad job refuses the whole batch, and nothing is written."""
-        rows = self._rows(jobs, allow_unknown)
-        if not rows:
+        """Queue many jobs with one COPY and return how many. One bad job refuses the whole
+        batch and nothing of it is written; with ``connection``, the rest of that connection's
+        transaction is kept. Jobs are checked while the COPY runs (a chunk at a time), so
+        PostgreSQL does not wait for Python to check the whole batch first."""
+        chunks = self._checked_chunks(jobs, allow_unknown)
+        if chunks is None:
             return 0
         if connection is not None:
-            return producer.copy_rows(connection, self.q, rows)
-        with self._sync_pool().connection() as conn, conn.transaction():
-            return producer.copy_rows(conn, self.q, rows)
+            return producer.copy_rows(connection, self.q, chunks)
+        with self._sync_pool().connection() as conn:
+            return producer.copy_rows(conn, self.q, chunks)
 
     async def enqueue_many_async(
         self,
@@ -416,13 +439,13 @@ class App:
         connection: psycopg.AsyncConnection[Any] | None = None,
         allow_unknown: bool = False,
     ) -> int:
-        rows = self._rows(jobs, allow_unknown)
-        if not rows:
+        chunks = self._checked_chunks(jobs, allow_unknown)
+        if chunks is None:
             return 0
         if connection is not None:
-            return await producer.copy_rows_async(connection, self.q, rows)
-        async with (await self._async_pool()).connection() as conn, conn.transaction():
-            return await producer.copy_rows_async(conn, self.q, rows)
+            return await producer.copy_rows_async(connection, self.q, chunks)
+        async with (await self._async_pool()).connection() as conn:
+            return await producer.copy_rows_async(conn, self.q, chunks)
 
     # --- inspecting and steering jobs -----------------------------------------------------
 

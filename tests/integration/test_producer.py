@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pgqueue
-from pgqueue import InvalidJobError, Status, UnknownTaskError
+from pgqueue import InvalidJobError, Status, UnknownTaskError, producer
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -162,12 +162,59 @@ def test_enqueue_many_copies_rows_with_per_row_options(app: pgqueue.App, conn: C
     assert rows[3][4] == when
 
 
-def test_enqueue_many_with_one_bad_row_writes_nothing(app: pgqueue.App, conn: Conn) -> None:
-    good = [("t", {"i": i}) for i in range(100)]
-    with pytest.raises(InvalidJobError, match="job #100"):
-        app.enqueue_many([*good, ("t", {"x": float("nan")})], allow_unknown=True)
+@pytest.mark.parametrize(
+    "position", [100, 3 * producer.COPY_CHUNK + 7], ids=["first-chunk", "mid-copy"]
+)
+def test_enqueue_many_with_one_bad_row_writes_nothing(
+    app: pgqueue.App, conn: Conn, position: int
+) -> None:
+    """Jobs after the first chunk are checked while the COPY already runs: a bad one there
+    must abort the COPY and roll back everything before it."""
+    good = [("t", {"i": i}) for i in range(position)]
+    with pytest.raises(InvalidJobError, match=f"job #{position}"):
+        app.enqueue_many([*good, ("t", {"x": float("nan")}), *good], allow_unknown=True)
     assert _count(conn) == 0
     assert app.enqueue_many([], allow_unknown=True) == 0
+    assert app.enqueue_many(good, allow_unknown=True) == position  # the pool is still usable
+
+
+def test_bad_row_mid_copy_keeps_the_callers_transaction(
+    app: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    """In the caller's transaction the refused batch rolls back to a savepoint: the caller's
+    own statements, and jobs enqueued before, still commit."""
+    bad_batch = [("t", {"i": i}) for i in range(2 * producer.COPY_CHUNK)] + [("t", {"x": {1}})]
+    with psycopg.connect(dsn) as own:  # not autocommit: the caller owns the transaction
+        own.execute("CREATE TABLE ledger (id int)")
+        own.execute("INSERT INTO ledger VALUES (1)")
+        before = app.enqueue("t", {"i": -1}, connection=own, allow_unknown=True)
+        with pytest.raises(InvalidJobError, match=f"job #{2 * producer.COPY_CHUNK}"):
+            app.enqueue_many(bad_batch, connection=own, allow_unknown=True)
+        assert app.enqueue_many([("t", {"i": -2})], connection=own, allow_unknown=True) == 1
+        own.commit()
+    assert conn.execute("SELECT count(*) FROM ledger").fetchone() == (1,)
+    assert app.get_job(before) is not None
+    assert _count(conn) == 2
+
+
+def test_bad_row_mid_copy_async_writes_nothing(app: pgqueue.App, dsn: str, conn: Conn) -> None:
+    jobs = [("t", {"i": i}) for i in range(2 * producer.COPY_CHUNK)] + [("nope", {})]
+
+    async def produce() -> None:
+        try:
+            with pytest.raises(UnknownTaskError, match=f"job #{2 * producer.COPY_CHUNK}"):
+                await app.enqueue_many_async(jobs)
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as own:
+                with pytest.raises(UnknownTaskError):
+                    await app.enqueue_many_async(jobs, connection=own)
+        finally:
+            await app.aclose()
+
+    @app.task
+    def t(i: int) -> None: ...
+
+    asyncio.run(produce())
+    assert _count(conn) == 0
 
 
 def test_enqueue_many_async(app: pgqueue.App, conn: Conn) -> None:

@@ -68,7 +68,7 @@ def test_arguments_nested_too_deeply_are_refused(app: pgqueue.App) -> None:
     ok: list[object] = []
     for _ in range(99):
         ok = [ok]
-    assert app._rows([("send", {"to": ok})], allow_unknown=False)
+    assert list(app._row_chunks([("send", {"to": ok})], allow_unknown=False))
 
 
 def test_integer_too_long_for_json_is_refused(app: pgqueue.App) -> None:
