@@ -31,14 +31,19 @@ def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:
     return token
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: str | None = None,
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+            raise AssertionError(f"condition not met within {timeout:g} s: {what or predicate}")
         time.sleep(interval)
 
 

@@ -7,27 +7,10 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
-import time
 
 import pgqueue
-
-_OFFSET = float(os.environ.get("PGQUEUE_TEST_CLOCK_OFFSET", "0"))
-if _OFFSET:
-    _real_time = time.time
-
-    def _skewed_time() -> float:
-        return _real_time() + _OFFSET
-
-    class _SkewedDatetime(_dt.datetime):
-        @classmethod
-        def now(cls, tz: _dt.tzinfo | None = None) -> _SkewedDatetime:
-            return cls.fromtimestamp(_skewed_time(), tz)
-
-    time.time = _skewed_time
-    _dt.datetime = _SkewedDatetime  # type: ignore[misc]
-
+from tests import clock_skew  # noqa: F401  (skews the clock when asked)
 
 app = pgqueue.App()
 

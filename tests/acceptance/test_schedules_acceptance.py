@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from itertools import pairwise
@@ -15,7 +14,7 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 
-from tests.helpers import WorkerProcesses
+from tests.helpers import WorkerProcesses, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -26,14 +25,8 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
+    result: T = wait_until(predicate, timeout, interval=0.1, what=what)
+    return result
 
 
 class Workers(WorkerProcesses):

@@ -30,6 +30,7 @@ from pgqueue.migrate import migrate
 from tests import history
 from tests.chaos import app as chaos_app
 from tests.chaos.checker import Fault, Result, check
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.chaos.app:app"
@@ -63,14 +64,11 @@ class Config:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
+    """``wait_until``, failing with TimeoutError: scenarios catch it as a finding."""
+    try:
+        return wait_until(predicate, timeout, interval=0.05, what=what)
+    except AssertionError as exc:
+        raise TimeoutError(str(exc)) from None
 
 
 @dataclass
