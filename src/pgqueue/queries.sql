@@ -19,6 +19,21 @@ FROM STDIN
 -- The reference time for bulk rows' run_at: the database clock, never the caller's.
 SELECT now()
 
+-- name: announce_waiting
+-- A worker waiting for work says so, on its LISTEN connection: producers notify while any worker
+-- holds this lock (migration 0004 explains the pair of locks).
+SELECT pg_advisory_lock_shared(hashtext({channel}), 1)
+
+-- name: withdraw_waiting
+SELECT pg_advisory_unlock_shared(hashtext({channel}), 1)
+
+-- name: enqueuers_settled
+-- True when no transaction that inserted ready jobs is open: none can still be hiding a job whose
+-- NOTIFY it skipped before this worker announced itself.
+SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 2)
+            THEN pg_advisory_unlock(hashtext({channel}), 2)
+            ELSE false END
+
 -- name: get_job
 SELECT id, queue, task, args, priority, run_at, status::text, attempts, max_attempts,
        lease_token, lease_expires_at, worker_id, last_error, result,

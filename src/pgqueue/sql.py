@@ -57,6 +57,9 @@ class Queries:
     insert_job: bytes
     copy_jobs: bytes
     database_now: bytes
+    announce_waiting: bytes
+    withdraw_waiting: bytes
+    enqueuers_settled: bytes
     get_job: bytes
     requeue_job: bytes
     cancel_job: bytes

@@ -15,13 +15,19 @@ from tests.conftest import Server
 def test_bench_runs_and_prints_json(pg_server: Server) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--quick",
-         "--reps", "1", "--only", "enqueue_bulk,latency_notify", "--json"],
+         "--reps", "1", "--only", "enqueue_4,enqueue_bulk,latency_notify", "--json"],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     medians = report["medians"]
     assert medians["enqueue_bulk"]["pgqueue"]["rate"] > 0
+    # Single-row producers run three ways: nobody waiting, a worker waiting, trigger off.
+    assert {k for k, v in medians["enqueue_4"].items() if v["rate"] > 0} == {
+        "pgqueue",
+        "pgqueue-waiting",
+        "pgqueue-no-notify",
+    }
     latency = medians["latency_notify"]["pgqueue"]
     assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
     assert report["postgresql"]["fsync"] == "on"

@@ -149,8 +149,11 @@ def _notifications(listener: Conn, wait: float = 0.3) -> list[tuple[str, str]]:
 
 @pytest.fixture
 def listener(dsn: str) -> Any:
+    """A LISTEN connection that says it waits for work, as an idle worker's notifier does
+    (producers notify only while some worker waits: test_wakeups.py)."""
     with psycopg.connect(dsn, autocommit=True) as connection:
         connection.execute(f"LISTEN {channel_for('public')}")
+        connection.execute(queries("public").announce_waiting)
         yield connection
 
 
@@ -189,6 +192,7 @@ def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
         app.migrate()
         with psycopg.connect(empty_dsn, autocommit=True) as listener:
             listener.execute(f"LISTEN {channel_for('jobs_y')}")
+            listener.execute(queries("jobs_y").announce_waiting)
             start = time.monotonic()
             app.enqueue("t", {}, queue="q", allow_unknown=True)
             assert _notifications(listener) == [("pgqueue_jobs_y", "q")]

@@ -137,6 +137,9 @@ class System:
     scale: float = 1.0
     #: Statements run right after ``install`` (e.g. to switch a trigger off for a variant).
     after_install: list[str] = field(default_factory=list)
+    #: Statements run on a session that stays open while the enqueue workloads run (e.g. to hold
+    #: the lock by which a waiting worker asks producers to notify).
+    session: list[str] = field(default_factory=list)
     #: Only these workloads (empty: all that apply).
     workloads: set[str] = field(default_factory=set)
     version: str = ""

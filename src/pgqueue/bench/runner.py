@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..sql import queries
 from . import workloads
 from .processes import CpuMeter, Databases, System, find_postmaster
 
@@ -133,11 +134,21 @@ class Plan:
 
 
 def pgqueue_systems() -> list[System]:
-    """pgqueue, and a variant with its NOTIFY trigger off for the single-row enqueue workloads
-    (it shows what NOTIFY costs concurrent producers; it is never compared with the peers)."""
+    """pgqueue, and two variants for the single-row enqueue workloads, never compared with the
+    peers: with a worker waiting for work (so every commit notifies, what NOTIFY costs concurrent
+    producers) and with the NOTIFY trigger off. In the plain run no worker waits, as when every
+    worker is busy, and producers skip NOTIFY."""
     argv = [sys.executable, "-m", "pgqueue.bench.adapter"]
     return [
         System(key="pgqueue", label="pgqueue", family="pgqueue", argv=argv),
+        System(
+            key="pgqueue-waiting",
+            label="pgqueue, a worker waiting",
+            family="pgqueue",
+            argv=argv,
+            session=[queries("public").announce_waiting.decode()],
+            workloads={"enqueue_1", "enqueue_4"},
+        ),
         System(
             key="pgqueue-no-notify",
             label="pgqueue, NOTIFY trigger off",

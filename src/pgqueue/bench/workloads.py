@@ -65,7 +65,10 @@ async def enqueue(
     with ctx.databases.fresh() as dsn:
         await _install(ctx, system, dsn)
         args = ["--jobs", str(jobs), "--producers", str(producers), "--batch", str(batch)]
-        result = await run_role(system, "enqueue", dsn, args, ctx.logdir)
+        with psycopg.connect(dsn, autocommit=True) as session:
+            for statement in system.session:
+                session.execute(statement.encode())
+            result = await run_role(system, "enqueue", dsn, args, ctx.logdir)
     return {"rate": float(result["jobs"]) / float(result["seconds"])}
 
 

@@ -56,6 +56,9 @@ class Fetcher:
         self._window_started = 0.0
         self._window_finished = 0
         self._recent = 0  # handlers finished in the last complete window
+        #: Told after every claim whether the fetcher is about to wait for work (the notifier's
+        #: ``set_waiting``; nothing to tell when not listening).
+        self.on_waiting: Callable[[bool], None] = lambda waiting: None
 
     def buffer_target(self, now: float) -> int:
         """How many jobs to keep prefetched: what finished in the last window, capped."""
@@ -116,6 +119,9 @@ class Fetcher:
                 for job in jobs:
                     self.start(job)
                 maybe_more = len(jobs) == want
+                # A short claim: the queue is drained and the fetcher will wait, so producers
+                # should notify (see notifier). A full one: it claims again on its own.
+                self.on_waiting(not maybe_more)
                 continue
             timeout = max(next_poll - loop.time(), 0.0)
             woke = await self._wait(stopping, timeout)

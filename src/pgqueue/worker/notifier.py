@@ -2,6 +2,13 @@
 
 NOTIFY is only a latency hint. Losing the connection costs latency, never a job: the fetcher
 keeps polling while this service reconnects with capped exponential backoff.
+
+Producers notify only while some worker waits for work (migration 0004): notifying commits
+serialise, and a busy worker claims again on its own. The fetcher says when it starts and stops
+waiting (``set_waiting``); this service holds the "waiting" advisory lock on its connection
+meanwhile. A producer that looked before the lock was taken may have skipped its NOTIFY, so after
+announcing itself the worker keeps waking the fetcher, at a growing interval, until no such
+producer's transaction is open.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..sql import Queries
 from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.notifier")
@@ -29,23 +37,42 @@ KEEPALIVES: dict[str, Any] = {
     "connect_timeout": 10,
 }
 
+#: First re-check of unsettled producers after announcing; it doubles up to the poll interval or
+#: SETTLE_RECHECK_MAX, whichever is shorter (a long producer transaction costs a claim a second).
+SETTLE_RECHECK = 0.005
+SETTLE_RECHECK_MAX = 1.0
+
 
 class Notifier:
     def __init__(
         self,
         dsn: str,
+        q: Queries,
         channel: str,
         queues: frozenset[str] | None,
         wake: Callable[[], None],
         connect_kwargs: dict[str, Any],
+        *,
+        poll_interval: float,
     ) -> None:
         self.dsn = dsn
+        self.q = q
         self.channel = channel
         self.queues = queues
         self.wake = wake
         self.connect_kwargs = connect_kwargs
+        self.poll_interval = poll_interval
         self.listening = asyncio.Event()
         self.reconnects = 0
+        self.waiting = False  # what the fetcher wants producers to know
+        self.announced = False  # what they know: the lock is held on the connection
+        self._changed = asyncio.Event()
+
+    def set_waiting(self, waiting: bool) -> None:
+        """Called by the fetcher after every claim: a short claim means it will wait for work."""
+        if waiting != self.waiting:
+            self.waiting = waiting
+            self._changed.set()
 
     async def run(self, stopping: asyncio.Event) -> None:
         delay = 0.1
@@ -66,15 +93,75 @@ class Notifier:
 
     async def _listen(self, stopping: asyncio.Event) -> None:
         conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
+        self.announced = False  # a new connection holds no lock
+        loop = asyncio.get_running_loop()
+        settle_delay: float | None = None  # None: no producer can be hiding a skipped NOTIFY
+        settle_at = 0.0
         async with conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             self.listening.set()
             self.wake()  # anything inserted before LISTEN took effect
             try:
                 while not stopping.is_set():
+                    self._changed.clear()
+                    if self.waiting != self.announced:
+                        settle_delay = await self._announce(conn)
+                        settle_at = loop.time() + (settle_delay or 0.0)
+                        continue
                     # A bounded wait, so a stop request is seen within a second.
-                    async for notify in conn.notifies(timeout=1.0):
-                        if self.queues is None or notify.payload in self.queues:
-                            self.wake()
+                    timeout = 1.0
+                    if settle_delay is not None:
+                        timeout = min(timeout, max(settle_at - loop.time(), 0.0))
+                    await self._receive(conn, timeout)
+                    if settle_delay is not None and loop.time() >= settle_at:
+                        if await self._settled(conn):
+                            settle_delay = None
+                        else:
+                            settle_delay = min(
+                                2 * settle_delay, self.poll_interval, SETTLE_RECHECK_MAX
+                            )
+                            settle_at = loop.time() + settle_delay
             finally:
                 self.listening.clear()
+                self.announced = False
+
+    async def _announce(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
+        """Bring the lock in line with ``waiting``; the delay before looking at producers again
+        (None when there is nothing to look for)."""
+        if not self.waiting:
+            await conn.execute(self.q.withdraw_waiting)
+            self.announced = False
+            return None
+        await conn.execute(self.q.announce_waiting)
+        self.announced = True
+        return None if await self._settled(conn) else SETTLE_RECHECK
+
+    async def _settled(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Wake the fetcher to claim what producers that skipped their NOTIFY have committed;
+        whether any of them can still be open."""
+        cur = await conn.execute(self.q.enqueuers_settled)
+        row = await cur.fetchone()
+        self.wake()
+        return row is not None and bool(row[0])
+
+    async def _receive(self, conn: psycopg.AsyncConnection[Any], timeout: float) -> None:
+        """Pass on notifications until ``timeout`` or until ``waiting`` changes."""
+
+        async def consume() -> None:
+            async for notify in conn.notifies(timeout=timeout):
+                if self.queues is None or notify.payload in self.queues:
+                    self.wake()
+
+        listener = asyncio.ensure_future(consume())
+        changed = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait({listener, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            if not listener.done():
+                # Waiting for input only: nothing is half-read, the connection stays usable and
+                # notifications that arrive meanwhile wait in psycopg's backlog.
+                listener.cancel()
+                await asyncio.wait({listener})
+        if not listener.cancelled():
+            listener.result()  # a lost connection: run() reconnects

@@ -222,11 +222,15 @@ class Worker:
         )
         self.notifier = Notifier(
             dsn,
+            q,
             db.channel_for(self.app.schema),
             frozenset(self.queues) if self.queues is not None else None,
             self.fetcher.notify,
             connect_kwargs("listen"),
+            poll_interval=self.poll_interval,
         )
+        if self.listen:
+            self.fetcher.on_waiting = self.notifier.set_waiting
         self.scheduler = Scheduler(self.app, interval=min(self.poll_interval, 1.0))
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)
         stats_writer = StatsWriter(pool, self.recorder, self.app.schema)
