@@ -204,10 +204,11 @@ def reaper_race(run: Run) -> None:
     iterations = run.config.faults * 20
 
     def claim(worker: uuid.UUID) -> uuid.UUID:
-        ((*_, token, _),) = run.db.execute(
-            q.claim_jobs, {"lease": 60, "worker_id": worker, "limit": 1}
+        token = uuid.uuid4()
+        (_,) = run.db.execute(
+            q.claim_jobs, {"lease": 60, "worker_id": worker, "limit": 1, "token": token}
         ).fetchall()
-        return token  # type: ignore[no-any-return]
+        return token
 
     def ack(job_id: int, token: uuid.UUID) -> list[Any]:
         params = {"ids": [job_id], "tokens": [token], "statuses": ["succeeded"],

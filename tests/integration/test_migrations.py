@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import psycopg
@@ -98,7 +99,7 @@ def test_custom_schema_gets_its_own_tables_and_works_end_to_end(empty_dsn: str) 
             # the claim statement for the schema runs against its tables
             claimed = conn.execute(
                 queries("jobs_x").claim_jobs,
-                {"lease": 30, "worker_id": None, "limit": 2},
+                {"lease": 30, "worker_id": None, "limit": 2, "token": uuid.uuid4()},
             ).fetchall()
             assert len(claimed) == 2
     finally:
@@ -116,7 +117,7 @@ def test_claim_uses_the_partial_ready_index(conn: Conn) -> None:
     conn.execute("ANALYZE pgqueue_jobs")
     claim = queries("public").claim_jobs
     plan = conn.execute(
-        b"EXPLAIN " + claim, {"lease": 30, "worker_id": None, "limit": 10}
+        b"EXPLAIN " + claim, {"lease": 30, "worker_id": None, "limit": 10, "token": uuid.uuid4()}
     ).fetchall()
     text = "\n".join(str(r[0]) for r in plan)
     assert "pgqueue_jobs_ready_idx" in text, text

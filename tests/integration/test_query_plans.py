@@ -83,7 +83,9 @@ def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(conn: Con
     shape_the_table(conn, finished=200_000, queued=20_000, running=0)
     q = queries("public")
     plan = generic_plan(
-        conn, q.claim_jobs, {"lease": 30.0, "worker_id": uuid.uuid4(), "limit": 200}
+        conn,
+        q.claim_jobs,
+        {"lease": 30.0, "worker_id": uuid.uuid4(), "limit": 200, "token": uuid.uuid4()},
     )
     kinds = {n["Node Type"] for n in nodes(plan)}
     assert "Seq Scan" not in kinds and "Hash Join" not in kinds, kinds

@@ -27,9 +27,12 @@ BACKOFF = {"backoff_base": 1.0, "backoff_cap": 3600.0, "pause": 0.0}
 
 
 def claim(app: pgqueue.App, conn: Conn, worker: uuid.UUID, lease: float = 30) -> list[Any]:
-    return conn.execute(
-        app.q.claim_jobs, {"lease": lease, "worker_id": worker, "limit": 10}
+    """Claimed rows as the fetcher sees them: the claim's token in place 6, before the pickup."""
+    token = uuid.uuid4()
+    rows = conn.execute(
+        app.q.claim_jobs, {"lease": lease, "worker_id": worker, "limit": 10, "token": token}
     ).fetchall()
+    return [(*r[:6], token, r[6]) for r in rows]
 
 
 def complete(app: pgqueue.App, conn: Conn, job_id: int, token: uuid.UUID) -> list[Any]:

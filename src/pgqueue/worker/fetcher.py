@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -84,14 +84,20 @@ class Fetcher:
         return budget if starving or budget >= max(target // 2, 1) else 0
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
-        params: dict[str, Any] = {"lease": self.lease, "worker_id": self.worker_id, "limit": limit}
+        token = uuid4()  # this claim's lease token (see claim_jobs)
+        params: dict[str, Any] = {
+            "lease": self.lease,
+            "worker_id": self.worker_id,
+            "limit": limit,
+            "token": token,
+        }
         if self.queues is not None:
             params["queues"] = self.queues
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.statement, params)
             rows = await cur.fetchall()
         self.claims += 1
-        return [ClaimedJob(*row) for row in rows]
+        return [ClaimedJob(i, q, task, a, n, m, token, p) for i, q, task, a, n, m, p in rows]
 
     async def run(self, stopping: asyncio.Event) -> None:
         state = self.state
