@@ -7,6 +7,9 @@ run of real worker processes plain SQL can decide what happened.
   and new lease token, the old lease expiry and the new error, so a re-run can be matched to
   the reap of the lease before it.
 
+A lease token is per claim statement, shared by the jobs of that claim: match attempts on
+(job, token), never on the token alone.
+
 Test-only: pgqueue itself never installs these.
 """
 

@@ -82,7 +82,8 @@ def recovery_times(conn: Conn, faults: list[Fault]) -> list[float]:
             by_worker.setdefault(fault.worker, []).append(fault.at)
     rows = conn.execute(
         "SELECT c.new_worker, c.at, r.at FROM history_reaps r"
-        " JOIN history_transitions c ON c.new_token = r.old_token AND c.new_status = 'running'"
+        " JOIN history_transitions c ON c.job_id = r.job_id AND c.new_token = r.old_token"
+        " AND c.new_status = 'running'"
     ).fetchall()
     times = []
     for worker, claimed_at, reaped_at in rows:
@@ -136,7 +137,8 @@ def check(
     zombie_attempts = _one(
         conn,
         "SELECT count(*) FROM history_reaps r"
-        " JOIN history_transitions c ON c.new_token = r.old_token AND c.new_status = 'running'"
+        " JOIN history_transitions c ON c.job_id = r.job_id AND c.new_token = r.old_token"
+        " AND c.new_status = 'running'"
         " WHERE NOT (c.new_worker = ANY(%s))",
         (list(killed),),
     )
