@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 import pgqueue
+from pgqueue.db import channel_for
+from pgqueue.sql import queries
 from pgqueue.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +32,24 @@ def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:
     token = uuid.uuid4()
     conn.execute("UPDATE pgqueue_jobs SET lease_token = %s WHERE id = %s", (token, job_id))
     return token
+
+
+@contextlib.contextmanager
+def listening(
+    dsn: str, schema: str = "public", *, waiting: bool = False
+) -> Iterator[psycopg.Connection[Any]]:
+    """A connection LISTENing on the schema's channel; with ``waiting``, it also says it waits
+    for work as an idle worker's notifier does (producers notify only while some worker waits)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel_for(schema))))
+        if waiting:
+            conn.execute(queries(schema).announce_waiting)
+        yield conn
+
+
+def notifications(listener: psycopg.Connection[Any], wait: float = 0.3) -> list[tuple[str, str]]:
+    """(channel, payload) of what arrives within ``wait`` seconds."""
+    return [(n.channel, n.payload) for n in listener.notifies(timeout=wait)]
 
 
 def wait_until(

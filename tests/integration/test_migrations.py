@@ -9,9 +9,9 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.db import channel_for
 from pgqueue.migrate import applied_versions, available, migrate
 from pgqueue.sql import queries
+from tests.helpers import listening, notifications
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -141,20 +141,10 @@ def test_lease_expiry_is_in_no_index(conn: Conn) -> None:
     assert {"id", "priority", "run_at", "status"} <= indexed  # the query does see real indexes
 
 
-def _notifications(listener: Conn, wait: float = 0.3) -> list[tuple[str, str]]:
-    found = []
-    for n in listener.notifies(timeout=wait, stop_after=None):
-        found.append((n.channel, n.payload))
-    return found
-
-
 @pytest.fixture
 def listener(dsn: str) -> Any:
-    """A LISTEN connection that says it waits for work, as an idle worker's notifier does
-    (producers notify only while some worker waits: test_wakeups.py)."""
-    with psycopg.connect(dsn, autocommit=True) as connection:
-        connection.execute(f"LISTEN {channel_for('public')}")
-        connection.execute(queries("public").announce_waiting)
+    """Says it waits for work: producers notify only while some worker waits (test_wakeups.py)."""
+    with listening(dsn, waiting=True) as connection:
         yield connection
 
 
@@ -166,7 +156,7 @@ def test_bulk_insert_notifies_once_per_queue_without_arguments(
         for i in range(10_000)
     ]
     assert app.enqueue_many(jobs, allow_unknown=True) == 10_000
-    got = _notifications(listener)
+    got = notifications(listener)
     assert sorted(got) == [("pgqueue", "a"), ("pgqueue", "b")]
 
 
@@ -176,27 +166,25 @@ def test_queue_names_longer_than_a_channel_name_still_notify(
     queue = "é" * 100  # 200 bytes in UTF-8; channel names stop at 63 bytes
     assert len(queue.encode()) == 200
     app.enqueue("t", {}, queue=queue, allow_unknown=True)
-    assert _notifications(listener) == [("pgqueue", queue)]
+    assert notifications(listener) == [("pgqueue", queue)]
 
 
 def test_delayed_jobs_do_not_notify(app: pgqueue.App, listener: Conn) -> None:
     app.enqueue("t", {}, delay=60, allow_unknown=True)
     app.enqueue_many([{"task": "t", "delay": 60}], allow_unknown=True)
-    assert _notifications(listener) == []
+    assert notifications(listener) == []
     app.enqueue("t", {}, queue="now", allow_unknown=True)
-    assert _notifications(listener) == [("pgqueue", "now")]
+    assert notifications(listener) == [("pgqueue", "now")]
 
 
 def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
     app = pgqueue.App(empty_dsn, schema="jobs_y")
     try:
         app.migrate()
-        with psycopg.connect(empty_dsn, autocommit=True) as listener:
-            listener.execute(f"LISTEN {channel_for('jobs_y')}")
-            listener.execute(queries("jobs_y").announce_waiting)
+        with listening(empty_dsn, "jobs_y", waiting=True) as listener:
             start = time.monotonic()
             app.enqueue("t", {}, queue="q", allow_unknown=True)
-            assert _notifications(listener) == [("pgqueue_jobs_y", "q")]
+            assert notifications(listener) == [("pgqueue_jobs_y", "q")]
             assert time.monotonic() - start < 5
     finally:
         app.close()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import pgqueue
 from pgqueue import InvalidJobError, Status, UnknownTaskError, producer
+from tests.helpers import listening, notifications
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -281,10 +282,9 @@ def test_requeue_resets_a_dead_or_cancelled_job_and_wakes_listeners(
 ) -> None:
     job_id = app.enqueue("t", {}, queue="rq", allow_unknown=True)
     _set_status(conn, job_id, status)
-    with psycopg.connect(dsn, autocommit=True) as listener:
-        listener.execute("LISTEN pgqueue")
+    with listening(dsn) as listener:  # a requeue notifies whether or not a worker waits
         assert app.requeue(job_id) is True
-        notes = [(n.channel, n.payload) for n in listener.notifies(timeout=0.5)]
+        notes = notifications(listener, wait=0.5)
     assert notes == [("pgqueue", "rq")]
     job = app.get_job(job_id)
     assert job is not None

@@ -15,15 +15,11 @@ import pytest
 
 import pgqueue
 from pgqueue.db import channel_for
-from tests.helpers import running_worker, wait_until_async
+from tests.helpers import listening, notifications, running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 # Polling once a minute: anything that runs within seconds was woken, not polled.
 NO_POLL = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 60.0, "reaper_interval": 1.0}
-
-
-def notifications(listener: Conn, wait: float = 0.3) -> list[str]:
-    return [n.payload for n in listener.notifies(timeout=wait)]
 
 
 def waiting_workers(conn: Conn) -> int:
@@ -40,8 +36,7 @@ def waiting_workers(conn: Conn) -> int:
 
 @pytest.fixture
 def listener(dsn: str) -> Any:
-    with psycopg.connect(dsn, autocommit=True) as connection:
-        connection.execute(f"LISTEN {channel_for('public')}")
+    with listening(dsn) as connection:
         yield connection
 
 
@@ -55,7 +50,7 @@ def test_producers_notify_only_while_a_worker_waits(
         worker.execute(app.q.announce_waiting)
         app.enqueue("t", {}, queue="one-waits", allow_unknown=True)
         app.enqueue_many([{"task": "t", "queue": "bulk"}] * 3, allow_unknown=True)
-        assert notifications(listener) == ["one-waits", "bulk"]
+        assert notifications(listener) == [("pgqueue", "one-waits"), ("pgqueue", "bulk")]
 
         worker.execute(app.q.withdraw_waiting)
         app.enqueue("t", {}, queue="busy-again", allow_unknown=True)
@@ -113,7 +108,7 @@ async def test_a_job_whose_notify_was_skipped_still_wakes_a_worker_that_starts_w
             # Once the producer is gone, the waiting worker is notified like before.
             ping.enqueue(n=2)
             await wait_until_async(lambda: done == [1, 2], timeout=10)
-            assert notifications(listener) == ["default"]
+            assert notifications(listener) == [("pgqueue", "default")]
 
 
 async def test_a_busy_worker_stops_asking_for_notifications(
@@ -131,7 +126,9 @@ async def test_a_busy_worker_stops_asking_for_notifications(
     async with running_worker(app, concurrency=1, **NO_POLL):
         await wait_until_async(lambda: waiting_workers(conn) == 1, timeout=10)
         app.enqueue_many([{"task": "slow", "args": {"n": n}} for n in range(40)])
-        assert notifications(listener) == ["default"]  # it was waiting: woken by NOTIFY
+        assert notifications(listener) == [
+            ("pgqueue", "default")
+        ]  # it was waiting: woken by NOTIFY
 
         # Each claim comes back full: the worker says it no longer waits, producers stop
         # notifying, and it keeps claiming on its own.
@@ -144,5 +141,5 @@ async def test_a_busy_worker_stops_asking_for_notifications(
         await wait_until_async(lambda: queued() == 0, timeout=30)
         await wait_until_async(lambda: waiting_workers(conn) == 1, timeout=10)
         app.enqueue("slow", {"n": 41})
-        assert notifications(listener) == ["default"]
+        assert notifications(listener) == [("pgqueue", "default")]
         await wait_until_async(lambda: queued() == 0, timeout=10)

@@ -97,7 +97,10 @@ class Fetcher:
             cur = await conn.execute(self.statement, params)
             rows = await cur.fetchall()
         self.claims += 1
-        return [ClaimedJob(i, q, task, a, n, m, token, p) for i, q, task, a, n, m, p in rows]
+        return [
+            ClaimedJob(job_id, queue, task, args, attempt, max_attempts, token, pickup)
+            for job_id, queue, task, args, attempt, max_attempts, pickup in rows
+        ]
 
     async def run(self, stopping: asyncio.Event) -> None:
         state = self.state
