@@ -52,12 +52,16 @@ class Heartbeat:
         self.on_lost = on_lost
         self.connect_kwargs = connect_kwargs
         self.conn: psycopg.AsyncConnection[Any] | None = None
+        self._connecting = asyncio.Lock()
         self.beats = 0
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        if self.conn is None or self.conn.closed or self.conn.broken:
-            self.conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
-        return self.conn
+        # Two beats at once (the service's and one forced, as tests do) must not both connect:
+        # the connection the first stored would be dropped unclosed.
+        async with self._connecting:
+            if self.conn is None or self.conn.closed or self.conn.broken:
+                self.conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
+            return self.conn
 
     async def beat(self) -> None:
         held = [h for h in self.state.held.values() if h.phase is not Phase.ABANDONED]
