@@ -103,6 +103,22 @@ def test_finished_since_counts_only_settled_buckets_once(
     assert again == []
 
 
+def test_a_deep_backlogs_older_sample_still_stands_for_the_current_depth(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    conn.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('a', 't')")
+    old = 4 * stats.DEPTH_ROWS_PER_SECOND  # a sample this deep holds for 4 seconds
+    conn.execute(
+        "INSERT INTO pgqueue_depth (bucket, queue, queued, retrying, running)"
+        " VALUES (date_trunc('second', now()) - interval '5 seconds', 'a', %s, 0, 0)",
+        (old,),
+    )
+    assert _read(dsn).depth == {"a": {"queued": old, "retrying": 0, "running": 0}}
+    # A shallow one holds for a second (plus two of slack): five seconds on, the dashboard counts.
+    conn.execute("UPDATE pgqueue_depth SET queued = 7")
+    assert _read(dsn).depth == {"a": {"queued": 1, "retrying": 0, "running": 0}}
+
+
 def test_job_detail_has_the_full_error(dsn: str, conn: psycopg.Connection[Any]) -> None:
     plant(conn)
     row = conn.execute("SELECT id FROM pgqueue_jobs WHERE status = 'dead'").fetchone()

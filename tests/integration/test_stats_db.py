@@ -80,6 +80,32 @@ def test_sample_depth_writes_each_queue_once_per_second_across_workers(dsn: str)
     assert asyncio.run(scenario()) == [("a", 2, 1, 0), ("b", 0, 0, 1)]
 
 
+def test_a_deep_backlogs_sample_holds_for_longer_before_anyone_counts_again(dsn: str) -> None:
+    """With 2 jobs per second of holding, a sample that saw 10 waiting holds for 5 seconds."""
+
+    async def sampled_after(age: int) -> list[tuple[Any, ...]]:
+        async with await _connect(dsn) as conn, conn.transaction():
+            await conn.execute("DELETE FROM pgqueue_depth")
+            await conn.execute(
+                "INSERT INTO pgqueue_depth (bucket, queue, queued, retrying, running) VALUES"
+                " (date_trunc('second', now()) - make_interval(secs => %s), 'a', 8, 2, 0)",
+                (age,),
+            )
+            await stats.sample_depth(conn, "public", rows_per_second=2)
+            cur = await conn.execute(
+                "SELECT queue, queued FROM pgqueue_depth WHERE bucket = date_trunc('second', now())"
+            )
+            return await cur.fetchall()
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pgqueue_jobs (queue, task) SELECT 'a', 't' FROM generate_series(1, 3)"
+        )
+    assert asyncio.run(sampled_after(4)) == []  # still holds: nobody counts
+    assert asyncio.run(sampled_after(5)) == [("a", 3)]
+    assert stats.depth_holds(10, 2) == 5 and stats.depth_holds(1, 2) == 1
+
+
 def test_prune_stats_drops_rows_older_than_the_window(dsn: str) -> None:
     async def scenario() -> tuple[int, int]:
         async with await _connect(dsn) as conn:

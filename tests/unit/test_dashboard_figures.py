@@ -55,6 +55,18 @@ def test_depth_prefers_worker_samples_and_fills_gaps_from_observations() -> None
     assert figures.depth_series([], {}, end)["queues"] == {}
 
 
+def test_a_deep_backlogs_sample_fills_the_seconds_it_holds_a_shallow_ones_does_not() -> None:
+    end = 300
+    # 10 waiting at 2 per second of holding: the 5 seconds after it carry it; then 0.
+    deep = figures.depth_series([(end - 10, "a", 10, 0)], {}, end, rows_per_second=2)
+    assert deep["queues"]["a"][-12:] == [0, 10, 10, 10, 10, 10, 10, 0, 0, 0, 0, 0]
+    shallow = figures.depth_series([(end - 3, "a", 1, 0)], {}, end, rows_per_second=2)
+    assert shallow["queues"]["a"][-4:] == [1, 0, 0, 0]
+    # What the dashboard observed itself wins over a held sample.
+    mixed = figures.depth_series([(end - 3, "a", 10, 0)], {end - 1: {"a": 4}}, end, 2)
+    assert mixed["queues"]["a"][-4:] == [10, 10, 4, 10]
+
+
 def test_depth_counts_key_statuses_by_queue() -> None:
     rows = [("a", 3, 0, 1), ("b", 0, 2, 0)]
     assert figures.depth_counts(rows) == {

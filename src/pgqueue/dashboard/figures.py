@@ -87,16 +87,25 @@ def depth_series(
     sampled: Iterable[Sequence[Any]],
     observed: Mapping[int, Mapping[str, int]],
     end: int,
+    rows_per_second: int = stats.DEPTH_ROWS_PER_SECOND,
 ) -> dict[str, Any]:
     """Waiting jobs per queue per second. Workers' samples (shared, survive restarts) win; the
-    seconds they miss are filled from what this dashboard observed itself; else 0."""
+    seconds they miss are filled from what this dashboard observed itself, else from the last
+    sample of a deep backlog, which is taken less often and stands for the seconds it holds
+    (``stats.depth_holds``); else 0."""
     by_second: dict[int, dict[str, int]] = {}
     for second, queue, waiting, _running in sampled:
         by_second.setdefault(int(second), {})[str(queue)] = int(waiting)
+    held: dict[int, dict[str, int]] = {}
+    for second, counts in sorted(by_second.items()):
+        holds = stats.depth_holds(sum(counts.values()), rows_per_second)
+        if holds > 1:
+            for t in range(second + 1, second + holds + 1):
+                held[t] = counts
     xs = seconds(end)
     for t in xs:
-        if t not in by_second and t in observed:
-            by_second[t] = dict(observed[t])
+        if t not in by_second and (t in observed or t in held):
+            by_second[t] = dict(observed[t] if t in observed else held[t])
     names = sorted({q for t in xs for q in by_second.get(t, {})})
     series = {q: [by_second.get(t, {}).get(q, 0) for t in xs] for q in names}
     # A queue that never had anything waiting in the window is noise on the chart.

@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 
+from .. import stats
 from ..db import validate_schema
 from ..sql import named
 from . import figures
@@ -55,7 +56,10 @@ async def read(
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         clock = (await _all(conn, q["clock"]))[0]
         now, second = float(clock[0]), int(clock[1])
-        depth_rows = await _all(conn, q["depth_sampled"]) or await _all(conn, q["depth_count"])
+        sampled = await _all(
+            conn, q["depth_sampled"], {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND}
+        )
+        depth_rows = sampled or await _all(conn, q["depth_count"])
         depth = figures.with_running(
             figures.depth_counts(depth_rows), await _all(conn, q["running_by_queue"])
         )

@@ -9,13 +9,17 @@ SELECT extract(epoch FROM now())::float8,
        extract(epoch FROM date_trunc('second', now()))::bigint
 
 -- name: depth_sampled
--- Current depth from the workers' shared sample when one is at most two seconds old: with
--- workers running, nobody counts the queue twice in a second.
-SELECT queue, queued, retrying, running
-FROM {schema}.pgqueue_depth
-WHERE bucket = (SELECT max(bucket) FROM {schema}.pgqueue_depth
-                WHERE bucket >= date_trunc('second', now()) - interval '2 seconds')
-ORDER BY queue
+-- Current depth from the workers' shared sample while it holds (see sample_depth in stats.sql:
+-- one second, longer when the backlog is deep), with two seconds of slack for the workers' own
+-- one-second rhythm: with workers running, nobody counts the queue twice.
+SELECT d.queue, d.queued, d.retrying, d.running
+FROM {schema}.pgqueue_depth d
+JOIN (SELECT bucket, greatest(1, sum(queued + retrying) / %(rows_per_second)s) AS holds
+      FROM {schema}.pgqueue_depth
+      WHERE bucket = (SELECT max(bucket) FROM {schema}.pgqueue_depth)
+      GROUP BY bucket) latest ON d.bucket = latest.bucket
+WHERE latest.bucket + make_interval(secs => latest.holds + 2) > date_trunc('second', now())
+ORDER BY d.queue
 
 -- name: depth_count
 -- No fresh sample (no worker running): count, one partial index per figure (waiting jobs
@@ -64,10 +68,11 @@ WHERE s.bucket >= now() - interval '60 seconds'
 GROUP BY h.key
 
 -- name: depth_history
--- Depth samples of the last two minutes (primary key range scan).
+-- Depth samples of the last two minutes (primary key range scan), and of the minute before: a
+-- deep backlog's sample stands for the seconds after it (figures.depth_series).
 SELECT extract(epoch FROM bucket)::bigint, queue, queued + retrying, running
 FROM {schema}.pgqueue_depth
-WHERE bucket >= date_trunc('second', now()) - interval '120 seconds'
+WHERE bucket >= date_trunc('second', now()) - interval '180 seconds'
 ORDER BY bucket, queue
 
 -- name: workers
