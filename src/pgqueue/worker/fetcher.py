@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from json import loads
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -98,7 +99,7 @@ class Fetcher:
             rows = await cur.fetchall()
         self.claims += 1
         return [
-            ClaimedJob(job_id, queue, task, args, attempt, max_attempts, token, pickup)
+            ClaimedJob(job_id, queue, task, loads(args), attempt, max_attempts, token, pickup)
             for job_id, queue, task, args, attempt, max_attempts, pickup in rows
         ]
 
