@@ -29,6 +29,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def cpu_steal_counters() -> tuple[int, int] | None:
+    """(steal, total) ticks of all CPUs since boot, from /proc/stat; None where there is none.
+    Steal is time the hypervisor gave this virtual machine's cores to someone else."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields)) if len(fields) > 7 else None
+
+
+def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
+
+
 def children_of(parent: int) -> list[int]:
     pids = []
     for entry in os.scandir("/proc"):

@@ -29,9 +29,18 @@ from rich.table import Table
 
 from ..sql import queries
 from . import workloads
-from .processes import CpuMeter, Databases, System, find_postmaster
+from .processes import (
+    CpuMeter,
+    Databases,
+    System,
+    cpu_steal_counters,
+    find_postmaster,
+    steal_percent,
+)
 
 HIGHER, LOWER = "higher", "lower"
+#: Each run also records the CPU steal during it (percent of all CPU time; not a table row).
+STEAL = "cpu_steal_pct"
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,20 @@ class Results:
         ]  # fmt: skip
         return workloads.median(values) if values else None
 
+    def steal_note(self) -> str | None:
+        """CPU steal over the runs: on a shared virtual machine it, not the code, moves rates
+        by tens of percent between repetitions."""
+        values = sorted(
+            v for by_system in self.runs.values() for runs in by_system.values()
+            for run in runs if (v := run.get(STEAL)) is not None
+        )  # fmt: skip
+        if not values:
+            return None
+        return (
+            f"CPU steal (time the hypervisor gave this machine's cores to others) during the "
+            f"runs: median {workloads.median(values):.1f} %, highest {values[-1]:.1f} %."
+        )
+
     def as_json(self) -> dict[str, Any]:
         medians = {
             workload: {
@@ -291,8 +314,9 @@ async def run(
         bar = progress.add_task("benchmark", total=len(steps) + 1)
         for workload, rep, system in steps:
             progress.update(bar, description=f"{workload.key} · {system.label} · rep {rep + 1}")
-            began = time.monotonic()
+            began, stolen = time.monotonic(), cpu_steal_counters()
             value = await workload.run(ctx, system)
+            value[STEAL] = steal_percent(stolen, cpu_steal_counters())
             results.add(workload.key, system.key, value)
             console.log(f"{workload.key} {system.label}: {_brief(value)} "
                         f"({time.monotonic() - began:.0f} s)")  # fmt: skip
@@ -346,6 +370,9 @@ def render(results: Results, console: Console) -> None:
             f"insert, claim with SKIP LOCKED, ack; 3 durable commits per batch): "
             f"[bold]{c['rate']:,.0f} jobs/s[/bold]"
         )
+    steal = results.steal_note()
+    if steal:
+        console.print(f"[dim]{steal}[/dim]")
     pg = results.settings
     console.print(
         f"[dim]PostgreSQL {pg.get('server_version')}, fsync={pg.get('fsync')}, "
@@ -378,6 +405,9 @@ def markdown(results: Results) -> str:
             f"Database ceiling (pgbench, {results.ceiling['clients']:.0f} clients, batches of "
             f"{results.ceiling['batch']:.0f}): **{results.ceiling['rate']:,.0f} jobs/s**."
         )
+    steal = results.steal_note()
+    if steal:
+        lines += ["", steal]
     return "\n".join(lines)
 
 
