@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pgqueue.bench.processes import find_postmaster
 from tests.conftest import Server
 
 
@@ -49,3 +50,12 @@ def test_bench_peers_need_the_adapters(pg_server: Server) -> None:
     assert out.returncode == 1
     assert "no peer adapters" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_bench_finds_the_postmaster_every_time(pg_server: Server) -> None:
+    """PostgreSQL CPU is read from the postmaster's process tree; it was found through a backend
+    that could exit before it was read, and a whole run then reported no PostgreSQL CPU."""
+    if pg_server.cluster is None:
+        pytest.skip("the server under PGQUEUE_TEST_DSN may not be on this machine")
+    expected = int((pg_server.cluster.datadir / "postmaster.pid").read_text().split()[0])
+    assert [find_postmaster(pg_server.admin_dsn) for _ in range(30)] == [expected] * 30

@@ -84,14 +84,16 @@ class CpuMeter:
 
 
 def find_postmaster(dsn: str) -> int | None:
+    """The postmaster's pid: the parent of our backend, read while that backend still exists
+    (once the connection closes it may be gone, and PostgreSQL CPU would go unreported)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    try:
-        stat = Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()
-        comm = Path(f"/proc/{stat[1]}/comm").read_text().strip()
-    except (OSError, IndexError):
-        return None
+        assert row is not None
+        try:
+            stat = Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()
+            comm = Path(f"/proc/{stat[1]}/comm").read_text().strip()
+        except (OSError, IndexError):
+            return None
     return int(stat[1]) if comm.startswith("postgres") else None
 
 
