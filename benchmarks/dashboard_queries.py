@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 from psycopg import conninfo, sql
 
+from pgqueue import stats
 from pgqueue.dashboard import queries
 from pgqueue.dashboard.database import session_options
 from pgqueue.migrate import migrate
@@ -87,6 +88,7 @@ def params_for(name: str, job_id: int) -> dict[str, Any] | None:
         # Steady state: the watermark is a few seconds old.
         "finished_since": {"after": "now"},
         "job_detail": {"id": job_id},
+        "depth_sampled": {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND},
     }.get(name)
 
 
@@ -141,7 +143,8 @@ def run(dsn: str, refreshes: int) -> None:
         # workers, no JIT).
         with psycopg.connect(dsn, **session_options(dsn, 5000)) as dashboard:
             for _ in range(refreshes):
-                conn.execute(sample_depth)  # what a running worker does once a second
+                # What a running worker does once a second.
+                conn.execute(sample_depth, {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND})
                 for name, statement in statements.items():
                     ms = explain_ms(dashboard, statement, params_for(name, job_id))
                     per_statement[name].append(ms)
