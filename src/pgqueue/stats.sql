@@ -14,16 +14,17 @@ FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, succeeded int, retried
 -- name: sample_depth
 -- At most one sample per second across all workers, and fewer when the backlog is deep: counting
 -- costs about half a microsecond per waiting job (64 ms at 150,000 here), so a sample that found
--- N jobs waiting holds for N / rows_per_second seconds (at least one) before anyone counts again;
--- the count then takes at most ~2 percent of a core however deep the queue. The NOT EXISTS probe reads
--- the newest sample (primary key, backwards) and skips the count while it holds; ON CONFLICT
--- settles the race between two workers at once. Each count reads one partial index: waiting jobs
--- index-only from the ready index (grouped by its leading queue column), retrying and running
--- ones from their small indexes; finished rows and a status-by-status heap scan are never
--- touched.
+-- N jobs waiting holds for N / rows_per_second seconds (at least one) before anyone counts again,
+-- and the count takes at most ~2 percent of a core however deep the queue. The dashboard's
+-- depth_sampled uses the same rule to decide whether a sample still stands. The NOT EXISTS probe
+-- reads the newest sample (primary key, backwards) and skips the count while it holds; ON
+-- CONFLICT settles the race between two workers at once. Each count reads one partial index:
+-- waiting jobs index-only from the ready index (grouped by its leading queue column), retrying
+-- and running ones from their small indexes; finished rows and a status-by-status heap scan are
+-- never touched.
 INSERT INTO {schema}.pgqueue_depth (bucket, queue, queued, retrying, running)
-SELECT date_trunc('second', now()), queue, (sum(waiting) - sum(retrying))::int AS queued, sum(retrying)::int AS retrying,
-       sum(running)::int AS running
+SELECT date_trunc('second', now()), queue, (sum(waiting) - sum(retrying))::int AS queued,
+       sum(retrying)::int AS retrying, sum(running)::int AS running
 FROM (
     SELECT queue, count(*) AS waiting, 0 AS retrying, 0 AS running
     FROM {schema}.pgqueue_jobs WHERE status IN ('queued', 'retrying') GROUP BY queue

@@ -135,10 +135,14 @@ class Run:
         return worker
 
     def _worker_id(self, pid: int) -> UUID | None:
+        # The row first: a worker registers before it claims, so one that registered and was then
+        # taken down by a job it claimed at once (poison's os._exit) did start.
+        row = self.db.execute("SELECT id FROM pgqueue_workers WHERE pid = %s", (pid,)).fetchone()
+        if row:
+            return row[0]  # type: ignore[no-any-return]
         if self.workers and self.workers[-1].proc.poll() is not None:
             raise RuntimeError(f"worker {pid} exited at start:\n{self.logs()}")
-        row = self.db.execute("SELECT id FROM pgqueue_workers WHERE pid = %s", (pid,)).fetchone()
-        return row[0] if row else None
+        return None
 
     def alive(self) -> list[Worker]:
         return [w for w in self.workers if w.proc.poll() is None]

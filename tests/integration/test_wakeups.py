@@ -126,9 +126,8 @@ async def test_a_busy_worker_stops_asking_for_notifications(
     async with running_worker(app, concurrency=1, **NO_POLL):
         await wait_until_async(lambda: waiting_workers(conn) == 1, timeout=10)
         app.enqueue_many([{"task": "slow", "args": {"n": n}} for n in range(40)])
-        assert notifications(listener) == [
-            ("pgqueue", "default")
-        ]  # it was waiting: woken by NOTIFY
+        # It was waiting: woken by NOTIFY.
+        assert notifications(listener) == [("pgqueue", "default")]
 
         # Each claim comes back full: the worker says it no longer waits, producers stop
         # notifying, and it keeps claiming on its own.
