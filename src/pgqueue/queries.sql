@@ -72,11 +72,17 @@ GROUP BY queue, status ORDER BY queue, status
 -- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
 -- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
 -- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
--- batch back in claim order, with the arguments as JSON text that the worker parses itself
--- (json.loads of a str): psycopg's jsonb loader took ~5 us of the worker's CPU per row here,
--- text and json.loads ~3. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty,
--- and as claim_jobs_in_queues restricted to a list of queues, which then reads
+-- batch back in claim order, with the arguments as JSON text that the worker parses itself:
+-- psycopg's jsonb loader took ~5 us of the worker's CPU per row here, text and the fetcher's
+-- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
+-- claim_jobs_in_queues restricted to a list of queues, which then reads
 -- pgqueue_jobs_ready_queue_idx when it is one queue.
+-- The LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL plan every
+-- claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always looks
+-- cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans assume
+-- the same unknown LIMIT and the cached generic plan is kept (test_query_plans checks its
+-- shape at depth). claim_jobs_in_queues keeps the plain parameter: its custom plan also sees
+-- the queue list, and that is what picks the per-queue index for one queue.
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
@@ -86,7 +92,7 @@ WITH claimed AS (
         SELECT id FROM {schema}.pgqueue_jobs
         WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
         ORDER BY priority DESC, run_at, id
-        LIMIT %(limit)s
+        LIMIT {claim_limit}
         FOR UPDATE SKIP LOCKED
     ))
     RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,

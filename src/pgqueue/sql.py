@@ -30,15 +30,22 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
 
 
 #: Statements written once in queries.sql and rendered twice: the variant's name → its base
-#: section and the fragments it fills in. In the base every fragment is empty.
+#: section and the fragments it fills in. In the base each fragment is empty unless BASE names it.
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
-    "claim_jobs_in_queues": ("claim_jobs", {"queue_filter": "AND queue = ANY(%(queues)s)"}),
+    "claim_jobs_in_queues": (
+        "claim_jobs",
+        {"queue_filter": "AND queue = ANY(%(queues)s)", "claim_limit": "%(limit)s"},
+    ),
     "reap_expired_leases_skip_locked": (
         "reap_expired_leases",
         {"find_lock": "FOR UPDATE SKIP LOCKED"},
     ),
 }
-_EMPTY = {name: "" for _, fragments in VARIANTS.values() for name in fragments}
+#: The base rendering's fragments (see claim_jobs for why its LIMIT is a subquery).
+BASE = {
+    **{name: "" for _, fragments in VARIANTS.values() for name in fragments},
+    "claim_limit": "(SELECT %(limit)s::int)",
+}
 
 
 def load_sections(package: str = "pgqueue", filename: str = "queries.sql") -> dict[str, str]:
@@ -98,9 +105,9 @@ def queries(schema: str) -> Queries:
         raise RuntimeError(
             f"queries.sql and Queries disagree: {sorted((set(sections) | set(VARIANTS)) ^ names)}"
         )
-    rendered = {name: render(body, schema, **_EMPTY) for name, body in sections.items()}
+    rendered = {name: render(body, schema, **BASE) for name, body in sections.items()}
     for name, (base, fragments) in VARIANTS.items():
-        rendered[name] = render(sections[base], schema, **{**_EMPTY, **fragments})
+        rendered[name] = render(sections[base], schema, **{**BASE, **fragments})
     return Queries(**rendered)
 
 

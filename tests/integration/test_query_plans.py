@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 
 from pgqueue.sql import queries
 
@@ -79,8 +80,12 @@ def shape_the_table(conn: Conn, finished: int, queued: int, running: int) -> Non
     )
 
 
-def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(conn: Conn) -> None:
-    shape_the_table(conn, finished=200_000, queued=20_000, running=0)
+@pytest.mark.parametrize(("finished", "queued"), [(200_000, 20_000), (300_000, 300_000)])
+def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(
+    conn: Conn, finished: int, queued: int
+) -> None:
+    """Also with a deep backlog: the generic plan is the one the claim keeps (next test)."""
+    shape_the_table(conn, finished=finished, queued=queued, running=0)
     q = queries("public")
     plan = generic_plan(
         conn,
@@ -139,3 +144,20 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
             rows = node["Actual Rows"] * node.get("Actual Loops", 1)
             assert rows <= n, (name, node["Node Type"], rows)
             assert node["Node Type"] != "Seq Scan" or node.get("Relation Name") != "pgqueue_jobs"
+
+
+def test_the_claim_is_planned_once_not_at_every_execution(conn: Conn) -> None:
+    """Its LIMIT hides behind a subquery (see claim_jobs), so PostgreSQL keeps the generic plan
+    once psycopg has prepared the statement, instead of planning every claim anew."""
+    shape_the_table(conn, finished=10_000, queued=5_000, running=0)
+    q = queries("public")
+    for limit in range(40, 60):
+        params = {"lease": 30.0, "worker_id": uuid.uuid4(), "limit": limit, "token": uuid.uuid4()}
+        assert len(conn.execute(q.claim_jobs, params).fetchall()) == limit
+    row = conn.execute(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE %s",
+        ("%One statement claims a batch%",),
+    ).fetchone()
+    assert row is not None
+    generic, custom = row
+    assert custom <= 5 and generic >= 10, (generic, custom)

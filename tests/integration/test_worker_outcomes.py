@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from typing import Any
 
@@ -205,6 +206,35 @@ async def test_handler_gets_its_context(app: pgqueue.App, conn: Conn) -> None:
     (ctx,) = seen
     assert (ctx.job_id, ctx.attempt, ctx.queue, ctx.worker_id) == (job_id, 1, "ctxq", worker.id)
     assert ctx.lease_deadline > time.time() - 5
+
+
+REQUEST_ID: contextvars.ContextVar[int | None] = contextvars.ContextVar("request_id", default=None)
+
+
+async def test_handlers_run_isolated_like_tasks_of_their_own(app: pgqueue.App, conn: Conn) -> None:
+    """Jobs share slot tasks (see worker/slots.py), yet a context variable a handler sets (as
+    logging and tracing libraries do) never reaches another job, and asyncio.timeout inside a
+    handler times out that handler alone."""
+    inherited: list[int | None] = []
+
+    @app.task
+    async def tagged(n: int) -> str:
+        inherited.append(REQUEST_ID.get())
+        REQUEST_ID.set(n)
+        try:
+            async with asyncio.timeout(0.001 if n % 10 == 0 else 5):
+                await asyncio.sleep(0.05 if n % 10 == 0 else 0)
+        except TimeoutError:
+            return "timed out"
+        assert REQUEST_ID.get() == n
+        return "done"
+
+    ids = [tagged.enqueue(n=n) for n in range(60)]
+    async with running_worker(app, concurrency=4, **FAST):
+        await wait_until_async(lambda: all(job_row(conn, i)[0] == "succeeded" for i in ids))
+    assert inherited == [None] * 60
+    results = [job_row(conn, i)[3] for i in ids]
+    assert results == ["timed out" if n % 10 == 0 else "done" for n in range(60)]
 
 
 async def test_worker_registers_and_deregisters(app: pgqueue.App, conn: Conn) -> None:

@@ -169,6 +169,8 @@ class Executor:
         if task.connection_param:
             call = self._call_in_transaction(task, job, kwargs, started, on_ack)
         elif task.is_async:
+            if task.timeout is None:
+                return await task.func(**kwargs), None  # the common case, one coroutine less
             call = _no_ack(task.func(**kwargs))
         else:
             loop = asyncio.get_running_loop()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from json import loads
+from json import JSONDecoder
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -30,6 +30,11 @@ from .state import ClaimedJob, WorkerState, pause, round_failed
 log = logging.getLogger("pgqueue.worker.fetcher")
 
 PREFETCH_WINDOW = 0.05
+
+#: The claim's arguments arrive as jsonb's text output: one JSON document, nothing around it, so
+#: ``raw_decode`` needs none of ``json.loads``'s checks for whitespace and trailing data (1.6 us
+#: a job, raw_decode 0.5).
+_decode = JSONDecoder().raw_decode
 
 
 class Fetcher:
@@ -81,8 +86,14 @@ class Fetcher:
         budget = state.concurrency + target - state.running - len(state.buffer)
         if budget <= 0:
             return 0
-        starving = state.free_slots > 0 and not state.buffer
-        return budget if starving or budget >= max(target // 2, 1) else 0
+        if state.free_slots > 0 and not state.buffer:
+            return budget  # a slot is idle for want of a job
+        # Otherwise wait until the buffer runs low (half the target left), then claim all the
+        # budget allows: every claim costs the database ~0.5 ms whatever its size. Jobs that
+        # never await leave most slots unused (one slot runs them back to back), so the budget
+        # alone would call for a claim every few dozen jobs.
+        low = len(state.buffer) <= target // 2
+        return budget if low and budget >= max(target // 2, 1) else 0
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         token = uuid4()  # this claim's lease token (see claim_jobs)
@@ -99,7 +110,7 @@ class Fetcher:
             rows = await cur.fetchall()
         self.claims += 1
         return [
-            ClaimedJob(job_id, queue, task, loads(args), attempt, max_attempts, token, pickup)
+            ClaimedJob(job_id, queue, task, _decode(args)[0], attempt, max_attempts, token, pickup)
             for job_id, queue, task, args, attempt, max_attempts, pickup in rows
         ]
 

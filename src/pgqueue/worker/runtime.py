@@ -30,6 +30,7 @@ from .heartbeat import Heartbeat
 from .notifier import KEEPALIVES, Notifier
 from .reaper import Reaper
 from .scheduler import Scheduler
+from .slots import JobRun, Slots
 from .state import ClaimedJob, Held, Phase, WorkerState
 from .statistics import StatsWriter
 from .transactions import Transactions
@@ -141,7 +142,6 @@ class Worker:
         self.stopped = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
         #: Why the worker stopped on its own, if it did (the process then exits non-zero).
         self.failure: str | None = None
 
@@ -161,6 +161,7 @@ class Worker:
         dsn = self.app.dsn
         self._loop = asyncio.get_running_loop()
         self.state = state = WorkerState(concurrency=self.concurrency, prefetch=self.prefetch)
+        self.slots = Slots(state, self._execute)
         q = self.app.q
         name = f"pgqueue-worker:{os.getpid()}"
         await self._check_database(dsn)
@@ -269,7 +270,7 @@ class Worker:
             await self._release_unfinished(pool)
             await self._deregister(pool)
         finally:
-            for task in [fetcher, *services]:
+            for task in [fetcher, *services, *self.slots.tasks]:
                 task.cancel()
             await self.heartbeat.close()
             await self.transactions.close()
@@ -363,14 +364,14 @@ class Worker:
         self._begin_stop()
 
     async def _drain_handlers(self) -> None:
-        handlers = [t for t in self._tasks if not t.done()]
-        if handlers:
-            _, pending = await asyncio.wait(handlers, timeout=self.grace_period)
-            for task in pending:
-                task.cancel()
-            if pending:
-                log.warning("cancelling %d jobs still running after the grace period", len(pending))
-                await asyncio.wait(pending, timeout=5)
+        assert self.state is not None
+        if await self.slots.wait(self.grace_period):
+            return
+        running = [h.handler for h in self.state.held.values() if h.handler is not None]
+        log.warning("cancelling %d jobs still running after the grace period", len(running))
+        for run in running:
+            run.cancel()
+        await self.slots.wait(5)
 
     async def _release_unfinished(
         self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
@@ -406,34 +407,28 @@ class Worker:
         state.held[job.id] = held
         if state.stopping.is_set():
             return  # claimed as we stopped: released with the other unfinished jobs
-        if state.running < state.concurrency:
-            self._run(held)
-        else:
-            state.buffer.append(held)
-
-    def _run(self, held: Held) -> None:
-        assert self.state is not None
-        held.phase = Phase.RUNNING
-        self.state.running += 1
-        task = asyncio.create_task(self._execute(held), name=f"job-{held.job.id}")
-        held.handler = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        state.buffer.append(held)
+        self.slots.buffered()
 
     async def _execute(self, held: Held) -> None:
+        """Run one job on the calling slot (see ``slots``) and hand its outcome on."""
         assert self.state is not None
+        state = self.state
+        held.phase = Phase.RUNNING
+        state.running += 1
+        held.handler = run = JobRun(
+            self.executor.run(held.job, self.lease, on_ack=held.acking), self.slots
+        )
         try:
-            outcome = await self.executor.run(held.job, self.lease, on_ack=held.acking)
+            outcome: Outcome = await run
         except asyncio.CancelledError:
             if held.lost:
-                self.state.held.pop(held.job.id, None)
+                state.held.pop(held.job.id, None)
             return
         finally:
-            state = self.state
+            held.handler = None
             state.running -= 1
             state.finished += 1
-            if not state.stopping.is_set() and (following := state.next_prefetched()):
-                self._run(following)
             state.wakeup.set()
         if outcome.written is not None:  # the handler's transaction wrote it already
             self._on_written([outcome], {outcome.job_id} if outcome.written else set())
@@ -448,7 +443,7 @@ class Worker:
             self._count_stale(held.job.id)
             self.recorder.record(held.job.queue, "lost", None, None)
         held.phase = Phase.ABANDONED
-        if held.handler is not None and not held.handler.done():
+        if held.handler is not None:
             held.handler.cancel()
         else:
             self.state.held.pop(held.job.id, None)

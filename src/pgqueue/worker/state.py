@@ -9,10 +9,13 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import psycopg
+
+if TYPE_CHECKING:
+    from .slots import JobRun
 
 
 class Phase(enum.Enum):
@@ -42,7 +45,8 @@ class Held:
     #: Monotonic time by which the lease has surely run out in the database unless extended.
     lease_deadline: float
     phase: Phase = Phase.PREFETCHED
-    handler: asyncio.Task[Any] | None = None
+    #: While the handler runs: what cancels it (a lost lease, the end of the grace period).
+    handler: JobRun | None = None
     lost: bool = False
 
     def acking(self) -> None:
