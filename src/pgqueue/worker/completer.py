@@ -19,6 +19,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..sql import Queries
+from . import arrays
 from .executor import Outcome, ack_params
 from .state import round_failed
 
@@ -83,7 +84,8 @@ class Completer:
 
     async def _write(self, batch: list[Outcome], uncertain: bool) -> set[int]:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(self.q.complete_jobs, ack_params(batch))
+            arrays.register(conn)  # idempotent, and a few microseconds a write
+            cur = await conn.execute(self.q.complete_jobs, ack_params(batch, packed=True))
             accepted = {int(row[0]) for row in await cur.fetchall()}
             self.writes += 1
             refused = [o for o in batch if o.job_id not in accepted]

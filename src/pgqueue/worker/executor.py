@@ -26,6 +26,7 @@ import psycopg
 from ..context import JobContext
 from ..errors import Fail, Retry
 from ..jobs import Status
+from . import arrays
 from .state import ClaimedJob
 from .transactions import CommitUncertainError, Transactions
 
@@ -58,16 +59,34 @@ class Outcome:
     uncertain: bool = False
 
 
-def ack_params(batch: list[Outcome]) -> dict[str, Any]:
-    """``complete_jobs``'s parameters: one array per column, one element per job."""
+def ack_params(batch: list[Outcome], *, packed: bool = False) -> dict[str, Any]:
+    """``complete_jobs``'s parameters: one array per column, one element per job. ``packed``:
+    pre-packed where ``arrays`` can (only on connections that ``arrays.register`` set up)."""
+    ids = [o.job_id for o in batch]
+    tokens = [o.lease_token for o in batch]
+    statuses = [o.status for o in batch]
+    delays = [o.delay or 0.0 for o in batch]
+    errors = [o.error for o in batch]
+    results = [o.result for o in batch]
+    run_seconds = [o.run_seconds for o in batch]
+    if not packed:
+        return {
+            "ids": ids,
+            "tokens": tokens,
+            "statuses": [s.value for s in statuses],
+            "delays": delays,
+            "errors": errors,
+            "results": results,
+            "run_seconds": run_seconds,
+        }
     return {
-        "ids": [o.job_id for o in batch],
-        "tokens": [o.lease_token for o in batch],
-        "statuses": [o.status.value for o in batch],
-        "delays": [o.delay or 0.0 for o in batch],
-        "errors": [o.error for o in batch],
-        "results": [o.result for o in batch],
-        "run_seconds": [o.run_seconds for o in batch],
+        "ids": arrays.int8_array(ids),
+        "tokens": arrays.uuid_array(tokens),
+        "statuses": arrays.status_array(statuses),
+        "delays": arrays.float8_array(delays),
+        "errors": arrays.texts(errors),
+        "results": arrays.texts(results),
+        "run_seconds": arrays.float8_array(run_seconds),
     }
 
 
