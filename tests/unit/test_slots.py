@@ -5,6 +5,7 @@ the runtime's scheduling alone; the worker tests run the same code against Postg
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -199,3 +200,28 @@ async def test_asyncio_timeout_inside_a_job_times_out_that_job_only() -> None:
     await h.finish()
     assert h.outcomes == {1: "timed out", 2: "finished"}
     assert len(set(h.slot_of.values())) == 1
+
+
+async def test_buffered_jobs_still_run_when_a_slot_fails() -> None:
+    """A failure in the runtime's own code ends its slot (a bug, never a handler's error, which
+    the executor turns into an outcome); another slot takes the jobs behind it."""
+    h = Harness(concurrency=1)
+    plain_execute = h.execute
+
+    async def execute(held: Held) -> None:
+        if held.job.id == 1:
+            raise RuntimeError("bug")
+        await plain_execute(held)
+
+    h.slots.execute = execute
+
+    async def quick() -> str:
+        return "finished"
+
+    for _ in range(3):
+        h.submit(quick)
+    failed = next(iter(h.slots.tasks))
+    with contextlib.suppress(RuntimeError):
+        await failed
+    await h.finish()
+    assert h.outcomes == {2: "finished", 3: "finished"}

@@ -77,6 +77,10 @@ class Slots:
         finally:
             self.count -= 1
             self.ready -= 1
+            # A slot ends with jobs still buffered only if something failed in it: another
+            # takes them, rather than leaving them to wait for the next claim.
+            if state.buffer and not state.stopping.is_set() and not me.cancelling():
+                self.buffered()
 
     async def wait(self, timeout: float) -> bool:
         """Wait for every slot to finish (they do once the buffer is empty or the worker is
