@@ -264,10 +264,15 @@ async def steady(
         (t0, p0, l0, _), (t1, p1, l1, _) = part[0], part[-1]
         return ((p1 - l1) - (p0 - l0)) / (t1 - t0) if t1 > t0 else 0.0
 
+    def enqueue_rate(part: list[tuple[float, int, int, int]]) -> float:
+        (t0, p0, _, _), (t1, p1, _, _) = part[0], part[-1]
+        return (p1 - p0) / (t1 - t0) if t1 > t0 else 0.0
+
     return {
         "offered": rate,
         "first_third": completion_rate(samples[:third]),
         "last_third": completion_rate(samples[-third:]),
+        "produced_last_third": enqueue_rate(samples[-third:]),
         "max_backlog": float(max(s[2] for s in samples)),
         "size_start_mb": samples[0][3] / 2**20,
         "size_end_mb": samples[-1][3] / 2**20,
