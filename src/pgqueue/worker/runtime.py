@@ -1,8 +1,8 @@
 """Wires the worker's services together and owns its life cycle: start, signals, shutdown.
 
-Data flows one way: notifier wakes the fetcher, the fetcher claims, the executor runs, the
-completer writes; the heartbeat keeps every held lease alive and the reaper recovers other
-workers' expired ones.
+Data flows one way: notifier wakes the fetcher, the fetcher claims into the buffer, slot tasks
+take jobs from it and the executor runs each one, the completer writes; the heartbeat keeps every
+held lease alive and the reaper recovers other workers' expired ones.
 """
 
 from __future__ import annotations
