@@ -227,8 +227,10 @@ def test_sigterm_lets_running_jobs_finish_and_exits_zero(
 ) -> None:
     worker = workers.start("--concurrency", "4", "--grace-period", "30")
     registered(conn, 1)
-    enqueue(app, 8, seconds=1.0)
-    wait_until(lambda: len(running_on(conn, worker.pid)) == 4)
+    ids = enqueue(app, 8, seconds=1.0)
+    # Started, not merely claimed: a claimed job may still wait in the buffer for its slot, and
+    # those are released at SIGTERM, not run.
+    wait_until(lambda: sum(started(conn, job) for job in ids) == 4)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0
     statuses: dict[str, int] = dict(

@@ -52,7 +52,7 @@ class Harness:
 
     async def finish(self) -> None:
         assert await self.slots.wait(5)
-        assert self.slots.count == 0 and self.slots.ready == 0
+        assert not self.slots.tasks and self.slots.ready == 0
 
 
 async def test_jobs_that_never_await_share_one_slot() -> None:
@@ -84,7 +84,7 @@ async def test_jobs_that_wait_fan_out_to_the_concurrency_and_no_further() -> Non
         await asyncio.sleep(0)
     for _ in range(20):  # give a fifth slot every chance to appear
         await asyncio.sleep(0)
-    assert h.slots.count == 4 and len(h.state.buffer) == 6
+    assert len(h.slots.tasks) == 4 and len(h.state.buffer) == 6
     release.set()
     await h.finish()
     assert peak == 4 and len(h.outcomes) == 10

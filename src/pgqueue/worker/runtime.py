@@ -236,8 +236,14 @@ class Worker:
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)
         stats_writer = StatsWriter(pool, self.recorder, self.app.schema)
         services_stop = asyncio.Event()
-        await self._register(pool)
+        # Signals first: once registered the worker counts as started, and a SIGTERM from then on
+        # must stop it gracefully (exit 0), not kill it with the default action.
         self._install_signals()
+        try:
+            await self._register(pool)
+        except BaseException:
+            self._remove_signals()
+            raise
         services = [
             asyncio.create_task(self.heartbeat.run(services_stop), name="heartbeat"),
             asyncio.create_task(self.reaper.run(services_stop), name="reaper"),

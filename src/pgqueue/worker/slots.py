@@ -33,32 +33,29 @@ class Slots:
     ) -> None:
         self.state = state
         self.execute = execute
+        #: The slots alive: each removes itself as it ends.
         self.tasks: set[asyncio.Task[None]] = set()
-        self.count = 0
         #: Slots that will take the next buffered job without being woken: starting, between
         #: jobs, or running a job that has not awaited.
         self.ready = 0
 
     def buffered(self) -> None:
         """A job was added to the buffer: make sure a slot will take it."""
-        if self.ready == 0 and self.count < self.state.concurrency:
+        if self.ready == 0 and len(self.tasks) < self.state.concurrency:
             self._spawn()
 
     def blocked(self) -> None:
         """A slot's job awaits: the buffer needs another slot, if there is room for one."""
         self.ready -= 1
-        if self.ready == 0 and self.state.buffer and self.count < self.state.concurrency:
+        if self.ready == 0 and self.state.buffer and len(self.tasks) < self.state.concurrency:
             self._spawn()
 
     def resumed(self) -> None:
         self.ready += 1
 
     def _spawn(self) -> None:
-        self.count += 1
         self.ready += 1
-        task = asyncio.get_running_loop().create_task(self._slot(), name="pgqueue-slot")
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(asyncio.get_running_loop().create_task(self._slot(), name="pgqueue-slot"))
 
     async def _slot(self) -> None:
         state = self.state
@@ -75,7 +72,7 @@ class Slots:
                     streak = 0
                     await asyncio.sleep(0)
         finally:
-            self.count -= 1
+            self.tasks.discard(me)
             self.ready -= 1
             # A slot ends with jobs still buffered only if something failed in it: another
             # takes them, rather than leaving them to wait for the next claim.
