@@ -80,7 +80,7 @@ BUILD = [
 
 
 def params_for(name: str, job_id: int) -> dict[str, Any] | None:
-    return {
+    params: dict[str, dict[str, Any]] = {
         "running_jobs": {"limit": queries.LIST_LIMIT},
         "problems": {"limit": queries.LIST_LIMIT},
         "feed": {"limit": queries.FEED_LIMIT},
@@ -89,7 +89,8 @@ def params_for(name: str, job_id: int) -> dict[str, Any] | None:
         "finished_since": {"after": "now"},
         "job_detail": {"id": job_id},
         "depth_sampled": {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND},
-    }.get(name)
+    }
+    return params.get(name)
 
 
 def explain_ms(conn: psycopg.Connection[Any], statement: bytes, params: Any) -> float:
@@ -124,12 +125,12 @@ def run(dsn: str, refreshes: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn, "public")
         started = time.monotonic()
-        for statement in BUILD:
-            if "%(" in statement:
-                escaped = re.sub(r"%(?!\()", "%%", statement)
+        for step in BUILD:
+            if "%(" in step:
+                escaped = re.sub(r"%(?!\()", "%%", step)
                 conn.execute(escaped, {"finished": FINISHED, "waiting": WAITING})
             else:
-                conn.execute(statement)
+                conn.execute(step)
         conn.execute("VACUUM ANALYZE")
         print(f"built {FINISHED:,} finished + {WAITING:,} waiting jobs "
               f"in {time.monotonic() - started:.1f} s")  # fmt: skip

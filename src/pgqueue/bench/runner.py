@@ -104,7 +104,7 @@ class Plan:
                        ceiling_seconds=5)  # fmt: skip
         return cls(quick, reps or 3, steady_seconds=45, steady_rate=2000, depth_waiting=100_000,
                    depth_finished=1_000_000, processing_jobs=30_000, io_jobs=15_000,
-                   single_jobs=2_000, bulk_jobs=50_000, latency_jobs=150)  # fmt: skip
+                   single_jobs=2_000, bulk_jobs=50_000, latency_jobs=500)  # fmt: skip
 
     def workloads(self) -> list[Workload]:
         p = self
