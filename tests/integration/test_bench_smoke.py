@@ -41,6 +41,19 @@ def test_bench_runs_and_prints_json(pg_server: Server) -> None:
         assert 0.0 <= steal <= 100.0
 
 
+@pytest.mark.slow
+def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(pg_server: Server) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--quick",
+         "--reps", "1", "--only", "depth", "--json"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = json.loads(out.stdout)["runs"]["depth"]["pgqueue"]
+    assert run["rate"] > 0 and run["empty_rate"] > 0
+    assert run["vs_empty"] == pytest.approx(run["rate"] / run["empty_rate"])
+
+
 def test_bench_peers_need_the_adapters(pg_server: Server) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--peers",

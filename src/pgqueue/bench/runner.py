@@ -66,6 +66,12 @@ CPU = [
     Metric("worker_cpu_per_1k", "worker CPU s / 1k jobs", "{:.3f}", LOWER),
     Metric("pg_cpu_per_1k", "PostgreSQL CPU s / 1k jobs", "{:.3f}", LOWER),
 ]
+DEPTH = [
+    *RATE,
+    Metric("empty_rate", "jobs/s, same jobs, empty table", "{:,.0f}", HIGHER),
+    Metric("vs_empty", "share of the empty-table rate", "{:.0%}", HIGHER),
+    *CPU,
+]
 LATENCY = [Metric(p, f"{p} ms", "{:.2f}", LOWER) for p in ("p50", "p95", "p99")]
 STEADY = [
     Metric("first_third", "done/s, first third", "{:,.0f}", HIGHER),
@@ -136,9 +142,9 @@ class Plan:
                      lambda c, s: w.steady(c, s, p.steady_rate, p.steady_seconds, 20), reps=1),
             Workload("depth",
                      f"processing with {p.depth_waiting:,} waiting and {p.depth_finished:,} "
-                     "finished rows, 1 worker", RATE + CPU,
+                     "finished rows, 1 worker", DEPTH,
                      lambda c, s: w.depth(c, s, p.depth_waiting, p.depth_finished, 100),
-                     systems="processing", reps=1),
+                     systems="processing"),
         ]  # fmt: skip
         if self.only:
             items = [i for i in items if i.key in self.only]
