@@ -58,7 +58,6 @@ class Workload:
     metrics: list[Metric]
     run: Callable[[workloads.Context, System], Awaitable[Any]]
     systems: str = "all"  # "all", or "processing" (PgQueuer's batch-100 variant too)
-    reps: int | None = None  # None: the plan's repetitions
 
 
 RATE = [Metric("rate", "jobs/s", "{:,.0f}", HIGHER)]
@@ -108,7 +107,7 @@ class Plan:
                        depth_finished=100_000, processing_jobs=10_000, io_jobs=5_000,
                        single_jobs=600, bulk_jobs=20_000, latency_jobs=60,
                        ceiling_seconds=5)  # fmt: skip
-        return cls(quick, reps or 3, steady_seconds=45, steady_rate=2000, depth_waiting=100_000,
+        return cls(quick, reps or 3, steady_seconds=60, steady_rate=2000, depth_waiting=100_000,
                    depth_finished=1_000_000, processing_jobs=30_000, io_jobs=15_000,
                    single_jobs=2_000, bulk_jobs=50_000, latency_jobs=500)  # fmt: skip
 
@@ -139,7 +138,7 @@ class Plan:
             Workload("steady",
                      f"steady state, {p.steady_rate:,.0f} jobs/s offered for "
                      f"{p.steady_seconds:g} s", STEADY,
-                     lambda c, s: w.steady(c, s, p.steady_rate, p.steady_seconds, 20), reps=1),
+                     lambda c, s: w.steady(c, s, p.steady_rate, p.steady_seconds, 20)),
             Workload("depth",
                      f"processing with {p.depth_waiting:,} waiting and {p.depth_finished:,} "
                      "finished rows, 1 worker", DEPTH,
@@ -312,7 +311,7 @@ async def run(
         await _info(system, logdir)
     steps = []
     for workload in plan.workloads():
-        for rep in range(workload.reps or plan.reps):
+        for rep in range(plan.reps):
             for system in systems:
                 if _applies(workload, system):
                     steps.append((workload, rep, system))
