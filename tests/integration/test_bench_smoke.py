@@ -13,12 +13,18 @@ from pgqueue.bench.processes import find_postmaster
 from tests.conftest import Server
 
 
+def bench(server: Server, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", server.admin_dsn, *args],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_bench_runs_and_prints_json(pg_server: Server) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--quick",
-         "--reps", "1", "--only", "enqueue_4,enqueue_bulk,latency_notify", "--json"],
-        capture_output=True, text=True, timeout=240, check=False,
+    out = bench(
+        pg_server, "--quick", "--reps", "1", "--only", "enqueue_4,enqueue_bulk,latency_notify",
+        "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -43,11 +49,7 @@ def test_bench_runs_and_prints_json(pg_server: Server) -> None:
 
 @pytest.mark.slow
 def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(pg_server: Server) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--quick",
-         "--reps", "1", "--only", "depth", "--json"],
-        capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+    out = bench(pg_server, "--quick", "--reps", "1", "--only", "depth", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = json.loads(out.stdout)["runs"]["depth"]["pgqueue"]
     assert run["rate"] > 0 and run["empty_rate"] > 0
@@ -55,11 +57,7 @@ def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(pg_server: Se
 
 
 def test_bench_peers_need_the_adapters(pg_server: Server) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", pg_server.admin_dsn, "--peers",
-         "--peers-dir", "/nonexistent"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    out = bench(pg_server, "--peers", "--peers-dir", "/nonexistent", timeout=60)
     assert out.returncode == 1
     assert "no peer adapters" in out.stderr
     assert "Traceback" not in out.stderr

@@ -174,12 +174,8 @@ async def depth(
     """Processing with ``waiting`` jobs queued and ``finished`` old rows in the table, and the
     same burn-down on an empty table just before it: the ratio of the two is the figure the
     target speaks of, taken from one repetition rather than from two workloads minutes apart."""
+    empty = await process(ctx, system, waiting, 1, concurrency, 0.0)
     waiting = _scaled(system, waiting)
-    with ctx.databases.fresh() as dsn:
-        await _install(ctx, system, dsn)
-        await _fill(ctx, system, dsn, waiting)
-        _vacuum(dsn)
-        empty = await drain(ctx, system, dsn, waiting, 1, concurrency)
     with ctx.databases.fresh() as dsn:
         await _install(ctx, system, dsn)
         await run_role(system, "fill-finished", dsn, ["--jobs", str(finished)], ctx.logdir)
