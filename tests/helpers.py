@@ -34,6 +34,18 @@ def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:
     return token
 
 
+def register_worker(
+    conn: psycopg.Connection[Any], worker_id: uuid.UUID, lease: float = 30.0, schema: str = "public"
+) -> None:
+    """A worker row whose lease is live for ``lease`` seconds, as a worker registers itself:
+    claims need it (a claimed job's lease is its worker's)."""
+    conn.execute(
+        queries(schema).register_worker,
+        {"worker_id": worker_id, "host": "test", "pid": 1, "queues": None, "concurrency": 1,
+         "lease": lease},
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
 def listening(
     dsn: str, schema: str = "public", *, waiting: bool = False

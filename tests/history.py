@@ -4,8 +4,8 @@ run of real worker processes plain SQL can decide what happened.
 - ``history_runs``: written by handlers through ``record`` (start, done, cancelled), with the
   attempt, the lease token of the claim, the pid and the database clock.
 - ``history_transitions``: written by a trigger on every status change of a job, with the old
-  and new lease token, the old lease expiry and the new error, so a re-run can be matched to
-  the reap of the lease before it.
+  and new lease token, the old lease expiry (the job's own, else its worker's) and the new
+  error, so a re-run can be matched to the reap of the lease before it.
 
 A lease token is per claim statement, shared by the jobs of that claim: match attempts on
 (job, token), never on the token alone.
@@ -78,8 +78,13 @@ BEGIN
         (job_id, old_status, new_status, old_token, new_token, old_expires, new_error,
          new_worker, old_attempts, new_attempts)
     VALUES (NEW.id, OLD.status::text, NEW.status::text, OLD.lease_token, NEW.lease_token,
-            OLD.lease_expires_at, left(NEW.last_error, 200), NEW.worker_id, OLD.attempts,
-            NEW.attempts);
+            -- The lease the attempt held: its own, else its worker's (a worker that is gone
+            -- holds none).
+            COALESCE(OLD.lease_expires_at,
+                     (SELECT w.lease_expires_at FROM pgqueue_workers w
+                      WHERE w.id = OLD.worker_id),
+                     '-infinity'),
+            left(NEW.last_error, 200), NEW.worker_id, OLD.attempts, NEW.attempts);
     RETURN NULL;
 END;
 $$;

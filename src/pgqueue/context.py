@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from uuid import UUID
+
+
+def _no_lease() -> float:
+    return 0.0
 
 
 @dataclass(slots=True)
 class JobContext:
+    """The attempt a handler is running: which job, which try, and until when its lease holds."""
+
     job_id: int
     task: str
     queue: str
     attempt: int
     max_attempts: int
     lease_token: UUID
-    #: Seconds since the epoch (worker clock) by which the current lease runs out unless the
-    #: worker's next heartbeat extends it; heartbeats move it forward.
-    lease_deadline: float
     worker_id: UUID
+    #: The worker's lease deadline on its monotonic clock (what ``lease_deadline`` converts).
+    _lease_deadline: Callable[[], float] = field(default=_no_lease, repr=False, compare=False)
+
+    @property
+    def lease_deadline(self) -> float:
+        """Seconds since the epoch (this machine's clock) by which this attempt's lease runs out
+        unless the worker's next heartbeat extends it. Heartbeats move it forward, so read it
+        again rather than keeping it; a handler that runs past it has lost the job to a reaper
+        and its result will be refused."""
+        return time.time() + (self._lease_deadline() - time.monotonic())

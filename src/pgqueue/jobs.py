@@ -18,6 +18,10 @@ class Status(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+#: The longest delay anything may put between now and a job's run_at (enqueue, Retry, backoff):
+#: a hundred years. Beyond it lie dates that PostgreSQL stores but Python cannot read back.
+MAX_DELAY_SECONDS = 100 * 365.25 * 86400.0
+
 READY = (Status.QUEUED, Status.RETRYING)
 FINISHED = (Status.SUCCEEDED, Status.DEAD, Status.CANCELLED)
 

@@ -35,10 +35,15 @@ SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 2)
             ELSE false END
 
 -- name: get_job
-SELECT id, queue, task, args, priority, run_at, status::text, attempts, max_attempts,
-       lease_token, lease_expires_at, worker_id, last_error, result,
-       created_at, claimed_at, started_at, finished_at
-FROM {schema}.pgqueue_jobs WHERE id = %(id)s
+-- A running job's lease is its worker's (migration 0005) unless it carries its own.
+SELECT j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.status::text, j.attempts,
+       j.max_attempts, j.lease_token,
+       CASE WHEN j.status = 'running' THEN COALESCE(j.lease_expires_at, w.lease_expires_at) END,
+       j.worker_id, j.last_error, j.result, j.created_at, j.claimed_at, j.started_at,
+       j.finished_at
+FROM {schema}.pgqueue_jobs j
+LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
+WHERE j.id = %(id)s
 
 -- name: requeue_job
 -- Dead or cancelled jobs only, with a fresh set of attempts; wakes the queue's workers.
@@ -83,14 +88,22 @@ GROUP BY queue, status ORDER BY queue, status
 -- the same unknown LIMIT and the cached generic plan is kept (test_query_plans checks its
 -- shape at depth). claim_jobs_in_queues keeps the plain parameter: its custom plan also sees
 -- the queue list, and that is what picks the per-queue index for one queue.
+-- The claimed jobs' lease is the worker's own (pgqueue_workers.lease_expires_at, extended by
+-- extend_leases), so the claim takes nothing unless that lease is live: a worker whose
+-- heartbeats stopped reaching the database never claims jobs that any reaper may take back at
+-- once. The EXISTS is a one-time filter, evaluated once per claim. %(tasks)s is NULL unless the
+-- worker met a task it does not know (a rolling deploy): it then claims only its own tasks and
+-- leaves the others' jobs queued for workers that know them.
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
-        lease_expires_at = now() + make_interval(secs => %(lease)s),
-        worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
     WHERE j.id = ANY(ARRAY(
         SELECT id FROM {schema}.pgqueue_jobs
         WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+          AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+          AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                      WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
         ORDER BY priority DESC, run_at, id
         LIMIT {claim_limit}
         FOR UPDATE SKIP LOCKED
@@ -102,92 +115,135 @@ WITH claimed AS (
 SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds
 FROM claimed ORDER BY priority DESC, run_at, id
 
+-- name: next_ready_at
+-- Seconds until the earliest job waiting to run becomes due (NULL: none is waiting), by the
+-- database clock: a worker about to wait sleeps no longer than that. Rendered twice, like
+-- claim_jobs: for every queue, and as next_ready_at_in_queues for a list of queues.
+SELECT extract(epoch FROM min(run_at) - now())::float8
+FROM {schema}.pgqueue_jobs
+WHERE status IN ('queued', 'retrying') AND run_at > now() {queue_filter}
+
 -- name: complete_jobs
 -- Batched acks, fenced per job: a row changes only while it still carries the lease token this
 -- worker got when it claimed it. Rows missing from RETURNING were lost (reaped, re-claimed or
 -- cancelled) and the stale result is dropped. The token stays on the finished row (only a new
 -- claim replaces it; reaper and release clear it), so an ack whose commit went unseen can be
 -- recognised as ours (applied_completions) instead of being miscounted as stale.
--- `status::text = 'running'` (here, in release_leases and extend_leases) keeps the planner off
+-- Times are statement_timestamp(), not now(): in a handler's own transaction (transactional
+-- completion) now() is when that transaction began, not when the job finished.
+-- `status::text = 'running'` (here, in release_leases and expire_leases) keeps the planner off
 -- pgqueue_jobs_running_idx: statistics taken while nothing ran say "about one running row", and
 -- the plan then scanned every running row once per element of the arrays (400 x 200 comparisons
 -- per ack, seen at 20-30 ms instead of 2). With only the primary key usable, each element is one
 -- index probe whatever the statistics say.
+-- The completer sends ids in ascending order, as every multi-row write does, so two writers
+-- that must wait for each other's rows lock them in the same order and cannot deadlock. Its
+-- connection has a short lock_timeout: a row locked by someone else (an operator's SELECT ...
+-- FOR UPDATE) fails the statement instead of stalling every ack behind it, and the completer
+-- then writes the batch as complete_jobs_skip_locked (this statement with {lock_filter}), which
+-- skips rows locked right now; those acks are tried again a little later.
 UPDATE {schema}.pgqueue_jobs j
 SET status = a.status::{schema}.pgqueue_status,
     run_at = CASE WHEN a.status = 'retrying'
-                  THEN now() + make_interval(secs => a.delay) ELSE j.run_at END,
-    finished_at = CASE WHEN a.status = 'retrying' THEN NULL ELSE now() END,
-    started_at = now() - make_interval(secs => a.run_seconds),
+                  THEN statement_timestamp() + make_interval(secs => a.delay) ELSE j.run_at END,
+    finished_at = CASE WHEN a.status = 'retrying' THEN NULL ELSE statement_timestamp() END,
+    started_at = greatest(j.claimed_at,
+                          statement_timestamp() - make_interval(secs => a.run_seconds)),
     last_error = COALESCE(a.error, j.last_error),
     result = a.result::jsonb,
     lease_expires_at = NULL, worker_id = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delays)b::float8[],
             %(errors)b::text[], %(results)b::text[], %(run_seconds)b::float8[])
      AS a(id, token, status, delay, error, result, run_seconds)
-WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running'
+WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running' {lock_filter}
 RETURNING j.id
 
 -- name: applied_completions
--- Only after a failed ack write (connection lost mid-commit): which of these acks did commit?
--- A row that is no longer running but still carries our token was finished by our own earlier
--- write: tokens are fresh per claim, and the reaper and releases clear them.
-SELECT j.id
+-- Only after an ack write went wrong: which of these acks are already in (the connection was
+-- lost mid-commit), and which jobs are still ours and running (their rows were locked by
+-- someone else, or the write failed before it ran). A row that is no longer running but still
+-- carries our token was finished by our own earlier write: tokens are fresh per claim, and the
+-- reaper and releases clear them.
+SELECT j.id, j.status = 'running'
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS a(id, token)
 JOIN {schema}.pgqueue_jobs j ON j.id = a.id AND j.lease_token = a.token
-WHERE j.status <> 'running'
 
 -- name: release_leases
 -- Shutdown: give back jobs this worker will not finish, without counting the attempt, so other
--- workers can take them at once. Fenced like every other write.
+-- workers can take them at once (the worker then wakes waiting workers: wake_waiting_workers).
+-- Fenced like every other write; rows locked by someone else right now are skipped, not waited
+-- for: they stay this worker's until it deregisters, and then any reaper takes them.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
     attempts = greatest(j.attempts - 1, 0), run_at = now(),
     lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS r(id, token)
 WHERE j.id = r.id AND j.lease_token = r.token AND j.status::text = 'running'
-RETURNING j.id
+  AND r.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l
+                       WHERE l.id = ANY(%(ids)b::bigint[]) ORDER BY l.id
+                       FOR UPDATE SKIP LOCKED))
+RETURNING j.id, j.queue
 
 -- name: extend_leases
--- One statement per heartbeat for every lease this worker holds, plus its own liveness row
--- (re-created if a reaper removed it during a long stall). Only lease_expires_at changes, a
--- column in no index, so these are HOT updates. Rows missing from RETURNING are no longer held.
+-- The heartbeat: one row per worker, whatever it holds. It extends the worker's lease, which
+-- covers every job the worker claimed (a job's own lease_expires_at stays NULL), and re-creates
+-- the worker's row if a reaper pruned it during a long stall. Job rows are only read, never
+-- locked or written, so a heartbeat never waits on a job's row lock and never conflicts with a
+-- handler's own transaction. It returns the jobs the worker holds that are no longer its own
+-- (reaped, or taken by hand): one primary-key probe each.
 WITH worker AS (
-    INSERT INTO {schema}.pgqueue_workers AS w (id, host, pid, queues, concurrency)
-    VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s)
+    INSERT INTO {schema}.pgqueue_workers AS w
+        (id, host, pid, queues, concurrency, lease_expires_at)
+    VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s,
+            now() + make_interval(secs => %(lease)s))
     ON CONFLICT (id) DO UPDATE
-    SET last_heartbeat_at = now(), stale_writes = w.stale_writes + %(stale_writes)s
+    SET last_heartbeat_at = now(), lease_expires_at = EXCLUDED.lease_expires_at,
+        stale_writes = w.stale_writes + %(stale_writes)s
 )
-UPDATE {schema}.pgqueue_jobs j
-SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+SELECT h.id, h.token
 FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS h(id, token)
-WHERE j.id = h.id AND j.lease_token = h.token AND j.status::text = 'running'
-RETURNING j.id
+WHERE NOT EXISTS (SELECT FROM {schema}.pgqueue_jobs j
+                  WHERE j.id = h.id AND j.lease_token = h.token AND j.status::text = 'running')
+
+-- name: untracked_jobs
+-- Jobs running under this worker's lease that it does not track (only a bug can leave one; jobs
+-- it gave up or abandoned it expires itself). The heartbeat asks now and then, not every beat:
+-- this reads every running row.
+SELECT j.id, j.lease_token FROM {schema}.pgqueue_jobs j
+WHERE j.status = 'running' AND j.worker_id = %(worker_id)s
+  AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS h(id, token)
+                  WHERE h.id = j.id AND h.token = j.lease_token)
 
 -- name: register_worker
-INSERT INTO {schema}.pgqueue_workers (id, host, pid, queues, concurrency)
-VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s)
-ON CONFLICT (id) DO UPDATE SET last_heartbeat_at = now()
+-- The worker's lease starts here: claims need it live (claim_jobs).
+INSERT INTO {schema}.pgqueue_workers AS w (id, host, pid, queues, concurrency, lease_expires_at)
+VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s,
+        now() + make_interval(secs => %(lease)s))
+ON CONFLICT (id) DO UPDATE
+SET last_heartbeat_at = now(), lease_expires_at = EXCLUDED.lease_expires_at
 
 -- name: deregister_worker
+-- The worker's lease ends with its row: a job it could not release is any reaper's at once.
 DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 
 -- name: reap_expired_leases
 -- Expired leases go back to retrying (with the same capped, fully jittered backoff as failures:
--- random() * least(cap, base * 2^(attempts-1))) or to dead when out of attempts. Find and update
--- are one statement guarded on the lease itself: the find reads the statement's snapshot, and
--- when a found row changed since (completed, re-claimed, extended), READ COMMITTED re-checks
--- the outer WHERE on the newest version, where token, status or expiry no longer match, so the
--- row is left alone. Rows being acked are waited for, then re-checked the same way; but at
--- most reaper.LOCK_WAIT_MS. A longer wait means a worker holds a transaction open between its
--- fenced ack and its COMMIT (stalled, or cut off from the server, with transactional
--- completion), and waiting would stop all reaping until it resumes. The reaper then runs
--- reap_expired_leases_skip_locked, this statement rendered with find_lock (sql.VARIANTS): the
--- find locks what it takes and skips rows locked now. A skipped row's holder may still commit
--- its ack (its token is still valid); if it never does, the row is found again once the server
--- ends that transaction.
--- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row and
--- before updating it, so tests can complete or re-claim the job in exactly that gap.
+-- random() * least(cap, base * 2^(attempts-1))) or to dead when out of attempts. A running job's
+-- lease is its worker's (pgqueue_workers.lease_expires_at; a worker that deregistered or was
+-- pruned has none) unless the job carries its own lease_expires_at (expire_leases sets it to
+-- give one attempt up, and workers from before migration 0005 extend it per job).
+-- The find locks what it takes and skips rows locked right now (an ack or a release on its way,
+-- an operator's lock): never waiting is what lets one stuck row cost only that row; a skipped
+-- row is found again next round if its lease is still expired. Locking re-checks the find's
+-- WHERE on the newest row version (READ COMMITTED), so a job that was completed, released or
+-- claimed again since the statement's snapshot is left alone: its status, token or worker no
+-- longer match. The worker rows are read from the snapshot, which is why the find also demands
+-- claimed_at < now(): a claim that started after this statement (by a worker that registered
+-- too late for the snapshot to see its lease) is never mistaken for an orphan. Ids are locked in
+-- ascending order, as in every multi-row write.
+-- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row in
+-- its snapshot and before locking it, the window in which a completion, a new claim or an
+-- extension can land; the fault suite's reaper_race scenario plays every one of them there.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
              ::{schema}.pgqueue_status,
@@ -198,17 +254,45 @@ SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' 
              END,
     finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
     last_error = 'LeaseExpired: worker ' || COALESCE(j.worker_id::text, '?')
-                 || ' stopped extending its lease (crashed, stalled or lost its connection)',
+                 || ' no longer held its lease on this attempt (it crashed, stalled, lost its'
+                 || ' connection or gave the attempt up)',
     lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
 FROM (
-    SELECT id, lease_token FROM {schema}.pgqueue_jobs
-    WHERE status = 'running' AND lease_expires_at < now()
-    LIMIT 1000 {find_lock}
+    SELECT r.id FROM {schema}.pgqueue_jobs r
+    WHERE r.status = 'running' AND r.claimed_at < now()
+      AND CASE WHEN r.lease_expires_at IS NOT NULL THEN r.lease_expires_at < now()
+               ELSE NOT EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                                WHERE w.id = r.worker_id AND w.lease_expires_at >= now())
+          END
+      AND (%(pause)s::float8 = 0 OR pg_sleep(%(pause)s::float8) IS NOT NULL)
+    ORDER BY r.id
+    LIMIT 1000
+    FOR UPDATE OF r SKIP LOCKED
 ) expired
-WHERE j.id = expired.id AND j.lease_token = expired.lease_token AND j.status = 'running'
-  AND j.lease_expires_at < now()
-  AND (%(pause)s::float8 = 0 OR pg_sleep(%(pause)s::float8) IS NOT NULL)
-RETURNING j.id, j.status::text, j.attempts
+WHERE j.id = expired.id
+RETURNING j.id, j.status::text, j.attempts, j.queue
+
+-- name: expire_leases
+-- Gives attempts up that this worker can no longer see through (an ack that cannot be written,
+-- a job it lost track of): their lease ends now, and the next reaper round records them as
+-- failed attempts (retrying or dead) instead of leaving them running under a live worker.
+UPDATE {schema}.pgqueue_jobs j
+SET lease_expires_at = now() - interval '1 microsecond'
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS e(id, token)
+WHERE j.id = e.id AND j.lease_token = e.token AND j.status::text = 'running'
+RETURNING j.id
+
+-- name: wake_waiting_workers
+-- Jobs that an UPDATE made ready (a retry, a hand-back, a reap) wake nobody by themselves (the
+-- NOTIFY trigger only sees inserts): the worker that wrote them calls this after its write, and
+-- it notifies each queue once, only while some worker waits for work (migration 0004's lock).
+-- The jobs are committed by then, so a worker that starts waiting after this look still finds
+-- them with the claim it makes as it starts waiting.
+SELECT pg_notify({channel}, q.queue)
+FROM (SELECT DISTINCT unnest(%(queues)s::text[]) AS queue) q
+WHERE NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 1)
+                       THEN pg_advisory_unlock(hashtext({channel}), 1)
+                       ELSE false END)
 
 -- name: prune_workers
 -- Worker rows whose heartbeat stopped long ago (their jobs are the reaper's business).
@@ -217,13 +301,15 @@ WHERE last_heartbeat_at < now() - make_interval(secs => %(older_than)s)
 
 -- name: prune_finished_jobs
 -- Keeps the hot table small: succeeded and cancelled jobs past the retention window go, in
--- bounded batches (dead jobs stay until someone requeues or deletes them).
+-- bounded batches (dead jobs stay until someone requeues or deletes them). Rows locked by
+-- someone else are skipped, so pruning never holds up the reaper round it runs in.
 DELETE FROM {schema}.pgqueue_jobs
 WHERE id IN (
     SELECT id FROM {schema}.pgqueue_jobs
     WHERE status IN ('succeeded', 'cancelled')
       AND finished_at < now() - make_interval(secs => %(older_than)s)
     LIMIT 10000
+    FOR UPDATE SKIP LOCKED
 )
 
 -- ---------------------------------------------------------------------------------------------

@@ -21,10 +21,13 @@ _SECTION = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 def render(text: str, schema: str, **fragments: str) -> bytes:
     """Substitute the quoted schema and channel, and any SQL ``fragments`` (constant text of
     ours, never values), into a statement or migration."""
+    names = {
+        "schema": sql.Identifier(validate_schema(schema)),
+        "channel": sql.Literal(channel_for(schema)),
+    }
     composed = sql.SQL(text).format(
-        schema=sql.Identifier(validate_schema(schema)),
-        channel=sql.Literal(channel_for(schema)),
-        **{name: sql.SQL(fragment) for name, fragment in fragments.items()},
+        **names,
+        **{name: sql.SQL(fragment).format(**names) for name, fragment in fragments.items()},
     )
     return composed.as_string().encode()
 
@@ -36,9 +39,13 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         "claim_jobs",
         {"queue_filter": "AND queue = ANY(%(queues)s)", "claim_limit": "%(limit)s"},
     ),
-    "reap_expired_leases_skip_locked": (
-        "reap_expired_leases",
-        {"find_lock": "FOR UPDATE SKIP LOCKED"},
+    "next_ready_at_in_queues": ("next_ready_at", {"queue_filter": "AND queue = ANY(%(queues)s)"}),
+    "complete_jobs_skip_locked": (
+        "complete_jobs",
+        {
+            "lock_filter": "AND a.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l"
+            " WHERE l.id = ANY(%(ids)b::bigint[]) ORDER BY l.id FOR UPDATE SKIP LOCKED))"
+        },
     ),
 }
 #: The base rendering's fragments (see claim_jobs for why its LIMIT is a subquery).
@@ -73,14 +80,19 @@ class Queries:
     status_counts: bytes
     claim_jobs: bytes
     claim_jobs_in_queues: bytes
+    next_ready_at: bytes
+    next_ready_at_in_queues: bytes
     complete_jobs: bytes
+    complete_jobs_skip_locked: bytes
     applied_completions: bytes
     release_leases: bytes
     extend_leases: bytes
+    untracked_jobs: bytes
     register_worker: bytes
     deregister_worker: bytes
     reap_expired_leases: bytes
-    reap_expired_leases_skip_locked: bytes
+    expire_leases: bytes
+    wake_waiting_workers: bytes
     prune_workers: bytes
     prune_finished_jobs: bytes
     # schedules

@@ -236,8 +236,9 @@ class Run:
                 time.sleep(0.05)
             step()
 
-    def drain(self) -> None:
-        """Wait until everything enqueued is finished (succeeded or dead)."""
+    def drain(self, ignore: list[int] | None = None) -> None:
+        """Wait until everything enqueued is finished (succeeded or dead), but the jobs in
+        ``ignore``."""
         if self._feeder is not None:
             self._feeder.join()
 
@@ -245,7 +246,8 @@ class Run:
             self.supervise()
             row = self.db.execute(
                 "SELECT count(*) FROM pgqueue_jobs WHERE status NOT IN ('succeeded', 'dead',"
-                " 'cancelled')"
+                " 'cancelled') AND id <> ALL(%s)",
+                (ignore or [],),
             ).fetchone()
             return row == (0,)
 

@@ -22,6 +22,7 @@ from tests.chaos import app as chaos_app
 from tests.chaos.checker import Result
 from tests.chaos.harness import Config, Run, wait_for
 from tests.chaos.proxy import BlackholeProxy
+from tests.helpers import register_worker
 
 Checks = dict[str, bool]
 
@@ -205,8 +206,9 @@ def reaper_race(run: Run) -> None:
 
     def claim(worker: uuid.UUID) -> uuid.UUID:
         token = uuid.uuid4()
+        register_worker(run.db, worker, lease=60)
         (_,) = run.db.execute(
-            q.claim_jobs, {"lease": 60, "worker_id": worker, "limit": 1, "token": token}
+            q.claim_jobs, {"worker_id": worker, "limit": 1, "token": token, "tasks": None}
         ).fetchall()
         return token
 
@@ -236,7 +238,7 @@ def reaper_race(run: Run) -> None:
                 " AND datname = current_database()"
             ).fetchone(),
             10,
-            "the reaper to pause between finding and updating",
+            "the reaper to pause between finding and locking",
         )
         action = run.rng.choice(["complete", "reclaim", "extend"])
         run.fault(f"race: {action}")
@@ -348,7 +350,6 @@ BAD_ROWS = {
     # args, the error the job must end with
     "effect-wrong-args": ("effect", '{"nope": 1}', "unexpected keyword argument"),
     "effect-not-an-object": ("effect", "[1, 2]", "TypeError"),
-    "unknown-task": ("no.such.task", "{}", "unknown task 'no.such.task'"),
 }
 
 
@@ -384,7 +385,14 @@ def bad_input(run: Run) -> None:
     for queue in ODD_QUEUES:
         run.app.enqueue("effect", {"seconds": 0.0}, queue=queue, allow_unknown=True)
     run.app.enqueue("tâche ✓ عربى 🚀", {}, queue="ünïcode", allow_unknown=True)
-    run.drain()
+    # A task no worker knows (a rolling deploy's newer task): handed back untouched, it waits.
+    unknown = run.app.enqueue("no.such.task", {}, queue="unknown-task", allow_unknown=True)
+    run.fault("job of an unknown task")
+    run.drain(ignore=[unknown])
+    run.extras["unknown_task_job"] = run.db.execute(
+        "SELECT status::text, attempts, last_error FROM pgqueue_jobs WHERE id = %s", (unknown,)
+    ).fetchone()
+    run.db.execute("DELETE FROM pgqueue_jobs WHERE id = %s", (unknown,))  # as an operator would
 
 
 def bad_input_checks(run: Run, result: Result) -> Checks:
@@ -406,6 +414,8 @@ def bad_input_checks(run: Run, result: Result) -> Checks:
         ),
         "odd names and a huge hand-inserted payload run": odd == (len(ODD_QUEUES) + 2,),
         "bad arguments are refused at enqueue": run.extras.get("api_refusals") == [True] * 5,
+        "a job of an unknown task waits untouched": run.extras.get("unknown_task_job")
+        == ("queued", 0, None),
         "no worker crashed": run.restarts == 0,
     }
 

@@ -11,7 +11,7 @@ import pytest
 import pgqueue
 from pgqueue.migrate import applied_versions, available, migrate
 from pgqueue.sql import queries
-from tests.helpers import listening, notifications
+from tests.helpers import listening, notifications, register_worker
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -97,9 +97,11 @@ def test_custom_schema_gets_its_own_tables_and_works_end_to_end(empty_dsn: str) 
             assert _tables(conn, "public") == set()
             assert conn.execute("SELECT count(*) FROM jobs_x.pgqueue_jobs").fetchone() == (6,)
             # the claim statement for the schema runs against its tables
+            worker = uuid.uuid4()
+            register_worker(conn, worker, schema="jobs_x")
             claimed = conn.execute(
                 queries("jobs_x").claim_jobs,
-                {"lease": 30, "worker_id": None, "limit": 2, "token": uuid.uuid4()},
+                {"worker_id": worker, "limit": 2, "token": uuid.uuid4(), "tasks": None},
             ).fetchall()
             assert len(claimed) == 2
     finally:
@@ -117,7 +119,8 @@ def test_claim_uses_the_partial_ready_index(conn: Conn) -> None:
     conn.execute("ANALYZE pgqueue_jobs")
     claim = queries("public").claim_jobs
     plan = conn.execute(
-        b"EXPLAIN " + claim, {"lease": 30, "worker_id": None, "limit": 10, "token": uuid.uuid4()}
+        b"EXPLAIN " + claim,
+        {"worker_id": uuid.uuid4(), "limit": 10, "token": uuid.uuid4(), "tasks": None},
     ).fetchall()
     text = "\n".join(str(r[0]) for r in plan)
     assert "pgqueue_jobs_ready_idx" in text, text
@@ -169,10 +172,12 @@ def test_queue_names_longer_than_a_channel_name_still_notify(
     assert notifications(listener) == [("pgqueue", queue)]
 
 
-def test_delayed_jobs_do_not_notify(app: pgqueue.App, listener: Conn) -> None:
-    app.enqueue("t", {}, delay=60, allow_unknown=True)
-    app.enqueue_many([{"task": "t", "delay": 60}], allow_unknown=True)
-    assert notifications(listener) == []
+def test_delayed_jobs_notify_too(app: pgqueue.App, listener: Conn) -> None:
+    """A waiting worker sleeps until the earliest run_at it knows of: it must hear of jobs
+    enqueued to run later as well (migration 0005)."""
+    app.enqueue("t", {}, queue="later", delay=60, allow_unknown=True)
+    app.enqueue_many([{"task": "t", "queue": "bulk-later", "delay": 60}], allow_unknown=True)
+    assert notifications(listener) == [("pgqueue", "later"), ("pgqueue", "bulk-later")]
     app.enqueue("t", {}, queue="now", allow_unknown=True)
     assert notifications(listener) == [("pgqueue", "now")]
 

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from pgqueue.sql import queries
+from tests.helpers import register_worker
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -60,6 +61,13 @@ def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+def live_worker(conn: Conn) -> uuid.UUID:
+    """A registered worker with a live lease: claims take nothing without one."""
+    worker = uuid.uuid4()
+    register_worker(conn, worker)
+    return worker
+
+
 def shape_the_table(conn: Conn, finished: int, queued: int, running: int) -> None:
     """Many finished rows, statistics taken with nothing running, then jobs in flight."""
     conn.execute(
@@ -87,15 +95,19 @@ def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(
     """Also with a deep backlog: the generic plan is the one the claim keeps (next test)."""
     shape_the_table(conn, finished=finished, queued=queued, running=0)
     q = queries("public")
+    worker = live_worker(conn)
     plan = generic_plan(
         conn,
         q.claim_jobs,
-        {"lease": 30.0, "worker_id": uuid.uuid4(), "limit": 200, "token": uuid.uuid4()},
+        {"worker_id": worker, "limit": 200, "token": uuid.uuid4(), "tasks": None},
     )
     kinds = {n["Node Type"] for n in nodes(plan)}
     assert "Seq Scan" not in kinds and "Hash Join" not in kinds, kinds
     scans = [n for n in nodes(plan) if n["Node Type"] == "Index Scan"]
-    assert {n["Index Name"] for n in scans} == {"pgqueue_jobs_ready_idx", "pgqueue_jobs_pkey"}
+    # The worker's own row, read once per claim: its lease must be live.
+    assert {n["Index Name"] for n in scans} == {
+        "pgqueue_jobs_ready_idx", "pgqueue_jobs_pkey", "pgqueue_workers_pkey"
+    }  # fmt: skip
     assert max(n["Actual Rows"] for n in nodes(plan)) <= 200
 
 
@@ -136,9 +148,12 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
         ),
         "release_leases": (q.release_leases, {"ids": ids, "tokens": tokens}),
     }
+    statements["complete_jobs_skip_locked"] = (
+        q.complete_jobs_skip_locked, statements["complete_jobs"][1]
+    )  # fmt: skip
     for name, (statement, values) in statements.items():
         plan = generic_plan(conn, statement, values)
-        assert plan["Actual Rows"] == n or name == "extend_leases", name
+        assert plan["Actual Rows"] == (0 if name == "extend_leases" else n), name
         for node in nodes(plan):
             # Every node handles at most the batch: no scan of all running rows per element.
             rows = node["Actual Rows"] * node.get("Actual Loops", 1)
@@ -151,8 +166,9 @@ def test_the_claim_is_planned_once_not_at_every_execution(conn: Conn) -> None:
     once psycopg has prepared the statement, instead of planning every claim anew."""
     shape_the_table(conn, finished=10_000, queued=5_000, running=0)
     q = queries("public")
+    worker = live_worker(conn)
     for limit in range(40, 60):
-        params = {"lease": 30.0, "worker_id": uuid.uuid4(), "limit": limit, "token": uuid.uuid4()}
+        params = {"worker_id": worker, "limit": limit, "token": uuid.uuid4(), "tasks": None}
         assert len(conn.execute(q.claim_jobs, params).fetchall()) == limit
     row = conn.execute(
         "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE %s",

@@ -120,3 +120,59 @@ def test_a_connection_of_the_wrong_kind_is_refused_at_registration(app: pgqueue.
 
         @app.task
         def wrong_too(conn: psycopg.AsyncConnection[Any]) -> None: ...
+
+
+async def test_a_transactional_jobs_times_are_its_handlers(app: pgqueue.App, effects: Conn) -> None:
+    """finished_at is when the ack was written, not when the handler's transaction began, and
+    the handler started after its claim."""
+
+    @app.task
+    async def takes_a_second(ctx: pgqueue.JobContext, conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute("INSERT INTO effects VALUES (%s, 'slow')", (ctx.job_id,))
+        await asyncio.sleep(1.0)
+
+    job_id = takes_a_second.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(lambda: job(effects, job_id)[0] == "succeeded")
+    row = effects.execute(
+        "SELECT extract(epoch FROM finished_at - started_at)::float8,"
+        " started_at >= claimed_at, finished_at >= claimed_at + interval '1 second'"
+        " FROM pgqueue_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert row is not None
+    ran, started_after_claim, finished_after_the_handler = row
+    assert ran >= 0.9 and started_after_claim and finished_after_the_handler, row
+
+
+async def test_session_settings_of_one_handler_never_reach_the_next(
+    app: pgqueue.App, effects: Conn
+) -> None:
+    """Handler connections are pooled: whatever one handler left on its session (a setting, a
+    role, a temporary table, an advisory lock) is reset before the next job gets it."""
+    seen: list[tuple[Any, ...]] = []
+
+    @app.task
+    def meddles(conn: psycopg.Connection[Any]) -> None:
+        conn.execute("SET search_path = pg_catalog")  # session-wide, not LOCAL
+        conn.execute("SET statement_timeout = 1234")
+        conn.execute("CREATE TEMP TABLE leftovers (x int)")
+        conn.execute("SELECT pg_advisory_lock(42)")
+
+    @app.task
+    def inspects(conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute(
+            "SELECT current_setting('search_path'), current_setting('statement_timeout'),"
+            " to_regclass('pg_temp.leftovers') IS NULL,"
+            " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+            "  AND pid = pg_backend_pid())"
+        ).fetchone()
+        assert row is not None
+        seen.append(row)
+
+    first = meddles.enqueue()
+    async with running_worker(app, concurrency=1, **FAST):
+        await wait_until_async(lambda: job(effects, first)[0] == "succeeded")
+        second = inspects.enqueue()
+        await wait_until_async(lambda: job(effects, second)[0] == "succeeded")
+    assert seen == [('"$user", public', "0", True, 0)]

@@ -8,6 +8,8 @@ choice, and the worker's announcement, which must catch producers that looked be
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from typing import Any
 
 import psycopg
@@ -78,10 +80,12 @@ def test_enqueuers_settled_until_every_transaction_with_ready_jobs_ends(
         assert not settled(worker)  # the other one is still open
         other.rollback()
         assert settled(worker)
-        # A job due later takes no part: the poll finds it, NOTIFY or not.
+        # A job due later takes part too: a waiting worker sleeps until the earliest due job
+        # it knows of, so it must not miss one whose NOTIFY was skipped (migration 0005).
         app.enqueue("t", {}, delay=60, connection=producer, allow_unknown=True)
-        assert settled(worker)
+        assert not settled(worker)
         producer.rollback()
+        assert settled(worker)
 
 
 async def test_a_job_whose_notify_was_skipped_still_wakes_a_worker_that_starts_waiting(
@@ -142,3 +146,165 @@ async def test_a_busy_worker_stops_asking_for_notifications(
         app.enqueue("slow", {"n": 41})
         assert notifications(listener) == [("pgqueue", "default")]
         await wait_until_async(lambda: queued() == 0, timeout=10)
+
+
+# --- every way a job becomes ready wakes an idle worker ----------------------------------------
+
+
+def started_at(conn: Conn, job_id: int) -> float | None:
+    """Seconds from the job's run_at to its last claim (None until claimed)."""
+    row = conn.execute(
+        "SELECT extract(epoch FROM claimed_at - run_at)::float8 FROM pgqueue_jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+async def test_retry_after_zero_runs_again_at_once(app: pgqueue.App, conn: Conn) -> None:
+    attempts: list[float] = []
+
+    @app.task
+    async def once_more(ctx: pgqueue.JobContext) -> None:
+        attempts.append(time.monotonic())
+        if ctx.attempt == 1:
+            raise pgqueue.Retry(after=0)
+
+    async with running_worker(app, **NO_POLL) as worker:
+        await wait_until_async(lambda: worker.notifier.announced, timeout=10)
+        once_more.enqueue()
+        await wait_until_async(lambda: len(attempts) == 2, timeout=15)
+    assert attempts[1] - attempts[0] < 5  # the poll is a minute away
+
+
+async def test_a_short_retry_delay_runs_when_due_not_at_the_next_poll(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    attempts: list[float] = []
+
+    @app.task
+    async def soon(ctx: pgqueue.JobContext) -> None:
+        attempts.append(time.monotonic())
+        if ctx.attempt == 1:
+            raise pgqueue.Retry(after=1.5)
+
+    async with running_worker(app, **NO_POLL):
+        soon.enqueue()
+        await wait_until_async(lambda: len(attempts) == 2, timeout=20)
+    assert 1.4 <= attempts[1] - attempts[0] < 6
+
+
+async def test_a_job_enqueued_to_run_later_starts_when_due(app: pgqueue.App, conn: Conn) -> None:
+    @app.task
+    async def later() -> None:
+        return None
+
+    async with running_worker(app, **NO_POLL) as worker:
+        await wait_until_async(lambda: worker.notifier.announced, timeout=10)
+        job_id = later.configure(delay=1.5).enqueue()
+        await wait_until_async(lambda: started_at(conn, job_id) is not None, timeout=20)
+    pickup = started_at(conn, job_id)
+    assert pickup is not None and 0 <= pickup < 4, pickup
+
+
+def prefetching_jobs(app: pgqueue.App, release: asyncio.Event, ran: dict[int, float]) -> None:
+    """Fast jobs first (so a worker learns to prefetch), then one that blocks its only slot,
+    then jobs that wait behind it in its buffer."""
+
+    @app.task
+    async def work(n: int) -> None:
+        if n == 300:
+            await release.wait()
+        ran[n] = time.monotonic()
+
+    app.enqueue_many([("work", {"n": n}) for n in range(300)])
+    app.enqueue("work", {"n": 300})
+    app.enqueue_many([("work", {"n": n}) for n in range(301, 305)])
+
+
+async def test_jobs_handed_back_at_shutdown_wake_an_idle_worker(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    release = asyncio.Event()
+    ran: dict[int, float] = {}
+    prefetching_jobs(app, release, ran)
+    async with running_worker(app, concurrency=1, prefetch=4, **NO_POLL) as busy:
+        state = busy.state
+        assert state is not None
+        await wait_until_async(
+            lambda: any(
+                h.phase.value == "prefetched" and h.job.args["n"] > 300 for h in state.held.values()
+            ),
+            timeout=20,
+        )
+        async with running_worker(app, **NO_POLL) as idle:
+            await wait_until_async(lambda: idle.notifier.announced, timeout=10)
+            busy.stop()
+            release.set()
+            await wait_until_async(busy.stopped.is_set, timeout=15)
+            stopped = time.monotonic()
+            await wait_until_async(lambda: len(ran) == 305, timeout=15)
+    assert max(ran.values()) - stopped < 5  # the poll is a minute away
+
+
+async def test_handed_back_jobs_notify_waiting_workers(app: pgqueue.App, dsn: str) -> None:
+    release = asyncio.Event()
+    ran: dict[int, float] = {}
+    prefetching_jobs(app, release, ran)
+    with contextlib.ExitStack() as stack:
+        async with running_worker(app, concurrency=1, prefetch=4, grace_period=0.1, **NO_POLL) as w:
+            state = w.state
+            assert state is not None
+            await wait_until_async(
+                lambda: any(
+                    h.phase.value == "prefetched" and h.job.args["n"] > 300
+                    for h in state.held.values()
+                ),
+                timeout=20,
+            )
+            waiting = stack.enter_context(listening(dsn, waiting=True))  # another, idle worker
+        # The hand-back at shutdown told the waiting worker about the queue.
+        assert ("pgqueue", "default") in notifications(waiting, wait=1.0)
+
+
+async def test_a_reaped_job_wakes_an_idle_worker(app: pgqueue.App, conn: Conn) -> None:
+    app.backoff = pgqueue.Backoff(base=0.01, cap=0.01)
+    done: list[int] = []
+
+    @app.task
+    async def orphan() -> None:
+        done.append(1)
+
+    async with running_worker(app, **NO_POLL) as worker:
+        await wait_until_async(lambda: worker.notifier.announced, timeout=10)
+        await wait_until_async(lambda: not worker.state or not worker.state.wakeup.is_set())
+        # A job claimed by a worker that died at once: no worker row, an expired lease. It is
+        # written as running, so no NOTIFY announces it; only its reap makes it ready.
+        conn.execute(
+            "INSERT INTO pgqueue_jobs (queue, task, status, attempts, lease_token, worker_id,"
+            " claimed_at, lease_expires_at) VALUES ('default', 'orphan', 'running', 1,"
+            " gen_random_uuid(), gen_random_uuid(), now() - interval '1 second',"
+            " now() - interval '1 second')"
+        )
+        await wait_until_async(lambda: worker.state is not None and worker.state.counters.reaped)
+        reaped = time.monotonic()
+        await wait_until_async(lambda: done == [1], timeout=15)
+    assert time.monotonic() - reaped < 5  # the poll is a minute away
+
+
+async def test_a_schedule_tick_starts_its_job_at_the_tick(app: pgqueue.App, conn: Conn) -> None:
+    @app.periodic(cron="*/2 * * * * *")
+    @app.task
+    async def tick() -> None:
+        return None
+
+    def succeeded() -> int:
+        row = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'")
+        return int((row.fetchone() or (0,))[0])
+
+    async with running_worker(app, **NO_POLL):
+        await wait_until_async(lambda: succeeded() >= 2, timeout=20)
+    pickups = conn.execute(
+        "SELECT extract(epoch FROM claimed_at - run_at)::float8 FROM pgqueue_jobs"
+        " WHERE status = 'succeeded'"
+    ).fetchall()
+    assert all(0 <= float(p) < 2 for (p,) in pickups), pickups

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from typing import Any
 
@@ -183,14 +184,46 @@ async def test_sync_timeout_abandons_the_thread_and_frees_the_lease(
         assert "TaskTimeoutError" in error
 
 
-async def test_unknown_task_fails_clearly_and_ends_dead(app: pgqueue.App, conn: Conn) -> None:
-    app.backoff = pgqueue.Backoff(base=0.05, cap=0.1)
+async def test_jobs_of_an_unknown_task_are_left_for_a_worker_that_knows_it(
+    app: pgqueue.App, conn: Conn, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rolling deploy: an older worker meets jobs of a task only the newer code has. It hands
+    them back without counting the attempt, says so, and claims only its own tasks from then on;
+    the newer worker runs them."""
+
+    @app.task
+    async def known() -> None:
+        return None
+
     job_id = app.enqueue("not.deployed.yet", {}, max_attempts=2, allow_unknown=True)
-    async with running_worker(app, **FAST):
-        await wait_until_async(status_is(conn, job_id, "dead"), timeout=10)
-    _, attempts, error, *_ = job_row(conn, job_id)
-    assert attempts == 2
-    assert "unknown task 'not.deployed.yet'" in error
+    known_id = known.enqueue()
+    with caplog.at_level(logging.WARNING, logger="pgqueue.worker.fetcher"):
+        async with running_worker(app, **FAST) as worker:
+            await wait_until_async(status_is(conn, known_id, "succeeded"))
+            await wait_until_async(lambda: worker.fetcher.only_tasks == ["known"])
+            claims = worker.fetcher.claims
+            # Many claims later (polls), the job is still waiting, untouched.
+            await wait_until_async(lambda: worker.fetcher.claims >= claims + 5, timeout=15)
+            later = known.enqueue()
+            await wait_until_async(status_is(conn, later, "succeeded"))
+    status, attempts, error, *_ = job_row(conn, job_id)
+    assert (status, attempts, error) == ("queued", 0, None)
+    warnings = [r.getMessage() for r in caplog.records if "not.deployed.yet" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert "no handler is registered for it in this worker" in warnings[0]
+
+    newer = pgqueue.App(dsn)
+
+    @newer.task(name="not.deployed.yet")
+    async def deployed() -> str:
+        return "ran"
+
+    try:
+        async with running_worker(newer, **FAST):
+            await wait_until_async(status_is(conn, job_id, "succeeded"))
+    finally:
+        newer.close()
+    assert job_row(conn, job_id)[:2] == ("succeeded", 1)
 
 
 async def test_handler_gets_its_context(app: pgqueue.App, conn: Conn) -> None:
@@ -344,3 +377,52 @@ def test_run_sync_on_either_event_loop(app: pgqueue.App, conn: Conn, event_loop:
 def test_unknown_event_loop_is_refused(app: pgqueue.App) -> None:
     with pytest.raises(pgqueue.ConfigurationError, match="event_loop must be one of"):
         app.worker(event_loop="trio")
+
+
+async def test_a_cancelled_error_of_the_handlers_own_is_a_failed_attempt(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """A handler that awaits something someone else cancelled gets a CancelledError that is not
+    the worker's: the attempt fails (with its traceback) like any other error, and the worker,
+    even after more such jobs than it has slots and buffer, keeps claiming."""
+
+    @app.task(max_attempts=1)
+    async def awaits_a_cancelled_task() -> None:
+        task = asyncio.create_task(asyncio.sleep(3600))
+        task.cancel()
+        await task
+
+    @app.task
+    async def fine() -> str:
+        return "ok"
+
+    ids = [awaits_a_cancelled_task.enqueue() for _ in range(6)]
+    async with running_worker(app, concurrency=2, prefetch=2, **FAST):
+        await wait_until_async(lambda: all(status_is(conn, j, "dead")() for j in ids), timeout=20)
+        after = fine.enqueue()
+        await wait_until_async(status_is(conn, after, "succeeded"))
+    for job_id in ids:
+        status, attempts, error, *_ = job_row(conn, job_id)
+        assert (status, attempts) == ("dead", 1)
+        assert error.startswith("CancelledError") and "Traceback" in error, error
+
+
+async def test_key_and_index_errors_keep_their_traceback(app: pgqueue.App, conn: Conn) -> None:
+    @app.task(max_attempts=1)
+    def lookup(kind: str) -> None:
+        found: dict[str, list[int]] = {"present": []}
+        if kind == "key":
+            _ = found["missing"]
+        _ = found["present"][3]
+
+    key, index = lookup.enqueue(kind="key"), lookup.enqueue(kind="index")
+    async with running_worker(app, **FAST):
+        await wait_until_async(
+            lambda: status_is(conn, key, "dead")() and status_is(conn, index, "dead")()
+        )
+    for job_id, head in (
+        (key, "KeyError: 'missing'"),
+        (index, "IndexError: list index out of range"),
+    ):
+        error = job_row(conn, job_id)[2]
+        assert error.startswith(head) and "Traceback" in error and "in lookup" in error, error

@@ -91,9 +91,11 @@ async def test_prefetched_jobs_are_heartbeated_while_they_wait(
         waiting = await _prefetched(worker, started)
 
         def expiry() -> dict[int, float]:
+            # A job's lease is its worker's (pgqueue_workers.lease_expires_at).
             rows = conn.execute(
-                "SELECT id, extract(epoch FROM lease_expires_at) FROM pgqueue_jobs"
-                " WHERE id = ANY(%s) AND status = 'running'",
+                "SELECT j.id, extract(epoch FROM w.lease_expires_at) FROM pgqueue_jobs j"
+                " JOIN pgqueue_workers w ON w.id = j.worker_id"
+                " WHERE j.id = ANY(%s) AND j.status = 'running' AND j.lease_expires_at IS NULL",
                 (waiting,),
             ).fetchall()
             return {int(i): float(e) for i, e in rows}

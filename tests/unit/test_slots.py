@@ -32,8 +32,8 @@ class Harness:
         job_id = len(self.bodies) + 1
         self.bodies[job_id] = body
         job = ClaimedJob(job_id, "q", "t", {}, 1, 1, uuid4(), 0.0)
-        held = Held(job, 0.0)
-        self.state.held[job_id] = held
+        held = Held(job)
+        self.state.held[job.key] = held
         self.state.buffer.append(held)
         self.slots.buffered()
         return held

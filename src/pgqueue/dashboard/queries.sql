@@ -91,14 +91,16 @@ LIMIT 200
 
 -- name: running_jobs
 -- Running jobs are bounded by total worker concurrency: read through the running partial index.
-SELECT id, task, queue, worker_id::text, attempts, max_attempts,
-       extract(epoch FROM now() - claimed_at)::float8,
-       extract(epoch FROM lease_expires_at - now())::float8,
-       CASE WHEN pg_column_size(args) <= 2048 THEN left(args::text, 120)
-            ELSE '… ' || pg_column_size(args) || ' bytes' END
-FROM {schema}.pgqueue_jobs
-WHERE status = 'running'
-ORDER BY claimed_at, id
+-- A job's lease is its worker's (pgqueue_workers.lease_expires_at) unless it has its own.
+SELECT j.id, j.task, j.queue, j.worker_id::text, j.attempts, j.max_attempts,
+       extract(epoch FROM now() - j.claimed_at)::float8,
+       extract(epoch FROM COALESCE(j.lease_expires_at, w.lease_expires_at) - now())::float8,
+       CASE WHEN pg_column_size(j.args) <= 2048 THEN left(j.args::text, 120)
+            ELSE '… ' || pg_column_size(j.args) || ' bytes' END
+FROM {schema}.pgqueue_jobs j
+LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
+WHERE j.status = 'running'
+ORDER BY j.claimed_at, j.id
 LIMIT %(limit)s
 
 -- name: problems

@@ -1,22 +1,36 @@
 """Writes results in batches: many completions per statement, fenced per job by lease token.
 
 A completion waits at most ``flush_interval`` (a few milliseconds) for company; a full batch goes
-at once. If the database is unreachable the batch is kept and retried: a lease that runs out in
-the meantime simply makes that write stale, and fencing refuses it. A write that failed may
-still have committed (the connection died after COMMIT reached the server), so the retry also
-asks which of its acks are already in (``applied_completions``) rather than reporting our own
-committed results as stale.
+at once. What can go wrong with a batch, and what it costs:
+
+- **The connection is lost or the server is down.** The batch is kept and retried with a
+  growing pause: the worker's lease covers its jobs meanwhile (if that lapses too, a reaper takes
+  the jobs and the late write is fenced out). A write that failed may still have committed (the
+  connection died after COMMIT reached the server), so the retry also asks which of its acks are
+  already in (``applied_completions``) rather than reporting our own results as stale.
+- **A row is locked by someone else** (an operator's ``SELECT ... FOR UPDATE``). The completer's
+  connection has a short ``lock_timeout``; when it runs out, the batch is written again with
+  ``complete_jobs_skip_locked``, which skips rows locked right now, and the skipped acks wait
+  aside and are tried again a little later, alone. One locked row costs that row.
+- **The database refuses the statement** (a value it cannot store, a trigger of yours that
+  raises). Outcomes are built to be storable (see ``executor``), so this is a surprise: the
+  batch is split in halves until the refused outcome is alone, and that outcome is replaced by
+  a plain failed attempt saying why (``on_refused``); the rest of the batch is written. If even
+  that cannot be written, the attempt is given up (``on_given_up``): logged as an error, and its
+  lease expired so that the reaper records it. Nothing is retried forever in silence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
+from psycopg import errors as pgerrors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from ..sql import Queries
 from . import arrays
@@ -24,6 +38,37 @@ from .executor import Outcome, ack_params
 from .state import round_failed
 
 log = logging.getLogger("pgqueue.worker.completer")
+
+#: The completer's connections wait at most this long for a row lock (see the module docstring).
+LOCK_TIMEOUT_MS = 100
+#: First pause before an ack whose row was locked is tried again; it doubles up to the maximum.
+BUSY_RETRY = 0.2
+BUSY_RETRY_MAX = 5.0
+#: Pause after a failed write (connection lost, server down), doubling up to the maximum.
+FAILED_RETRY = 0.5
+FAILED_RETRY_MAX = 5.0
+
+#: SQLSTATE classes of errors that say nothing about the batch's contents: the server or the
+#: connection is in trouble, or a transient conflict. The batch is retried as it is.
+_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")
+_TRANSIENT_STATES = ("55P03", "55006")  # lock_not_available, object_in_use
+
+
+def transient(exc: BaseException, conn: psycopg.AsyncConnection[Any] | None) -> bool:
+    """Whether a failed write should simply be retried (True) or says something about the
+    outcomes in it (False)."""
+    if isinstance(exc, OSError | TimeoutError | PoolTimeout):
+        return True
+    if conn is not None and (conn.closed or conn.broken):
+        return True
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate or ""
+        return (
+            state[:2] in _TRANSIENT_CLASSES
+            or state in _TRANSIENT_STATES
+            or (isinstance(exc, psycopg.OperationalError) and not state)
+        )
+    return False
 
 
 class Completer:
@@ -33,19 +78,28 @@ class Completer:
         q: Queries,
         on_written: Callable[[list[Outcome], set[int]], None],
         *,
+        on_refused: Callable[[Outcome, str], Outcome | None] = lambda o, reason: None,
+        on_given_up: Callable[[Outcome, str], None] = lambda o, reason: None,
         flush_interval: float = 0.002,
         batch_size: int = 500,
     ) -> None:
         self.pool = pool
         self.q = q
         self.on_written = on_written
+        #: Given an outcome the database refused and why: the plain failure to write instead.
+        self.on_refused = on_refused
+        #: An outcome that could not be written in any form.
+        self.on_given_up = on_given_up
         self.flush_interval = flush_interval
         self.batch_size = batch_size
         self.pending: list[Outcome] = []
+        #: Acks whose rows were locked by someone else: (outcome, when to try again, pause).
+        self.busy: list[tuple[Outcome, float, float]] = []
         self._has_work = asyncio.Event()
         self._stopped = False
         #: The last write of the head of ``pending`` failed: it may have committed unseen.
         self._uncertain = False
+        self._failures = 0
         self.writes = 0
 
     def submit(self, outcome: Outcome) -> None:
@@ -55,59 +109,185 @@ class Completer:
     async def run(self, stopping: asyncio.Event) -> None:
         """Flush until stopped; the final flush is ``drain``'s job. Never cancelled mid-write
         (a write that committed unseen would be resent and look stale): ``stop`` wakes it."""
+        loop = asyncio.get_running_loop()
         while True:
-            await self._has_work.wait()
+            if self.busy and not self.pending:
+                wait = max(min(at for _, at, _ in self.busy) - loop.time(), 0.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._has_work.wait(), wait)
+            else:
+                await self._has_work.wait()
             if self._stopped or stopping.is_set():
                 return
-            if len(self.pending) < self.batch_size:
+            if self.pending and len(self.pending) < self.batch_size:
                 await asyncio.sleep(self.flush_interval)
             await self.flush_once()
 
     async def flush_once(self) -> None:
-        batch = self.pending[: self.batch_size]
+        """Write one batch: due busy acks first (alone, never waiting on a lock), then the
+        head of ``pending``."""
+        await self._retry_busy(force=self._stopped)
+        batch = sorted(self.pending[: self.batch_size], key=_job_id)
         if not batch:
             if not self._stopped:
                 self._has_work.clear()
             return
+        uncertain = self._uncertain or any(o.uncertain for o in batch)
         try:
-            accepted = await self._write(batch, self._uncertain or any(o.uncertain for o in batch))
+            await self._write_isolating(batch, uncertain)
         except Exception as exc:
-            round_failed(log, f"writing {len(batch)} results", exc)
+            self._failures += 1
+            pause = min(FAILED_RETRY * 2 ** (self._failures - 1), FAILED_RETRY_MAX)
+            round_failed(log, f"writing {len(batch)} results (next try in {pause:.1f} s)", exc)
             self._uncertain = True
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(pause)
             return
+        self._failures = 0
         self._uncertain = False
-        del self.pending[: len(batch)]
+        done = {id(o) for o in batch}
+        self.pending = [o for o in self.pending if id(o) not in done]
         if not self.pending and not self._stopped:
             self._has_work.clear()
-        self.on_written(batch, accepted)
 
-    async def _write(self, batch: list[Outcome], uncertain: bool) -> set[int]:
+    async def _write_isolating(self, batch: list[Outcome], uncertain: bool) -> None:
+        """Write ``batch``; a statement the database refuses for what is in it is split until
+        the refused outcome is alone (see the module docstring). Transient errors propagate
+        with nothing reported, so the caller retries the whole batch."""
+        groups = [batch]
+        while groups:
+            group = groups.pop()
+            try:
+                accepted, busy = await self._write(group, uncertain)
+            except Exception as exc:
+                if _is_transient(exc):
+                    raise
+                if len(group) > 1:
+                    half = len(group) // 2
+                    groups += [group[half:], group[:half]]
+                    continue
+                self._refused(group[0], exc)
+                continue
+            self._report(group, accepted, busy)
+
+    def _refused(self, outcome: Outcome, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {str(exc).strip()}"
+        replacement = None if outcome.replaces else self.on_refused(outcome, reason)
+        if replacement is None:
+            log.error("job %d: giving the attempt up, its outcome cannot be written (%s)",
+                      outcome.job_id, reason)  # fmt: skip
+            self.on_given_up(outcome, reason)
+            return
+        log.error("job %d: the database refused the attempt's outcome (%s); recording it as a "
+                  "failed attempt instead", outcome.job_id, reason)  # fmt: skip
+        replacement.replaces = True
+        self.pending.append(replacement)
+        self._has_work.set()
+
+    async def _retry_busy(self, *, force: bool) -> None:
+        """Try the acks whose rows were locked, once their pause is over (all of them when
+        ``force``), skipping rows still locked."""
+        if not self.busy:
+            return
+        now = asyncio.get_running_loop().time()
+        due = sorted((o for o, at, _ in self.busy if force or at <= now), key=_job_id)
+        if not due:
+            return
+        pauses = {id(o): p for o, _, p in self.busy}
+        taken = {id(o) for o in due}
+        self.busy = [entry for entry in self.busy if id(entry[0]) not in taken]
+        try:
+            accepted, busy = await self._write(due, True, skip_locked=True)
+        except Exception as exc:
+            self.busy += [(o, now + pauses[id(o)], pauses[id(o)]) for o in due]
+            round_failed(log, f"writing {len(due)} results whose rows were locked", exc)
+            return
+        self._report(due, accepted, busy, pauses)
+
+    def _report(
+        self,
+        batch: list[Outcome],
+        accepted: set[int],
+        busy: set[int],
+        pauses: dict[int, float] | None = None,
+    ) -> None:
+        now = asyncio.get_running_loop().time()
+        for o in batch:
+            if o.job_id in busy:
+                pause = min(2 * (pauses or {}).get(id(o), BUSY_RETRY / 2), BUSY_RETRY_MAX)
+                self.busy.append((o, now + pause, pause))
+        written = [o for o in batch if o.job_id not in busy]
+        if written:
+            self.on_written(written, accepted)
+
+    async def _write(
+        self, batch: list[Outcome], uncertain: bool, *, skip_locked: bool = False
+    ) -> tuple[set[int], set[int]]:
+        """(acks the database took, acks whose rows were locked and must wait)."""
+        params = ack_params(batch, packed=True)
         async with self.pool.connection() as conn:
-            arrays.register(conn)  # idempotent, and a few microseconds a write
-            cur = await conn.execute(self.q.complete_jobs, ack_params(batch, packed=True))
-            accepted = {int(row[0]) for row in await cur.fetchall()}
-            self.writes += 1
-            refused = [o for o in batch if o.job_id not in accepted]
-            if uncertain and refused:
-                cur = await conn.execute(
-                    self.q.applied_completions,
-                    {
-                        "ids": [o.job_id for o in refused],
-                        "tokens": [o.lease_token for o in refused],
-                    },
-                )
-                accepted.update(int(row[0]) for row in await cur.fetchall())
-            return accepted
+            try:
+                return await self._write_on(conn, batch, params, uncertain, skip_locked)
+            except Exception as exc:
+                if transient(exc, conn):
+                    raise TransientWriteError(str(exc)) from exc
+                raise
+
+    async def _write_on(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        batch: list[Outcome],
+        params: dict[str, Any],
+        uncertain: bool,
+        skip_locked: bool,
+    ) -> tuple[set[int], set[int]]:
+        arrays.register(conn)  # idempotent, and a few microseconds a write
+        if skip_locked:
+            cur = await conn.execute(self.q.complete_jobs_skip_locked, params)
+        else:
+            try:
+                cur = await conn.execute(self.q.complete_jobs, params)
+            except pgerrors.LockNotAvailable:
+                # A row locked by someone else: write around it (module docstring).
+                skip_locked = True
+                cur = await conn.execute(self.q.complete_jobs_skip_locked, params)
+        accepted = {int(row[0]) for row in await cur.fetchall()}
+        self.writes += 1
+        missing = [o for o in batch if o.job_id not in accepted]
+        busy: set[int] = set()
+        if missing and (uncertain or skip_locked):
+            cur = await conn.execute(
+                self.q.applied_completions,
+                {
+                    "ids": [o.job_id for o in missing],
+                    "tokens": [o.lease_token for o in missing],
+                },
+            )
+            for job_id, running in await cur.fetchall():
+                (busy if running else accepted).add(int(job_id))
+        return accepted, busy
 
     def stop(self) -> None:
         self._stopped = True
         self._has_work.set()
 
-    async def drain(self, timeout: float) -> bool:
-        """Flush everything pending (shutdown); False if the database never took it."""
+    async def drain(self, timeout: float) -> list[Outcome]:
+        """Flush everything pending (shutdown); what the database never took."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.pending and loop.time() < deadline:
+        while (self.pending or self.busy) and loop.time() < deadline:
             await self.flush_once()
-        return not self.pending
+            if self.busy and not self.pending:
+                await asyncio.sleep(min(BUSY_RETRY, max(deadline - loop.time(), 0)))
+        return [*self.pending, *(o for o, _, _ in self.busy)]
+
+
+class TransientWriteError(Exception):
+    """A write failed for reasons that say nothing about its outcomes (see ``transient``)."""
+
+
+def _job_id(outcome: Outcome) -> int:
+    return outcome.job_id
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, TransientWriteError | OSError | TimeoutError | PoolTimeout)

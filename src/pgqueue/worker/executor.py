@@ -5,6 +5,11 @@ synchronous handler never delays heartbeats. A handler that takes a psycopg conn
 transaction that its success ack joins (see ``transactions``). A timeout cancels an async handler; a sync one
 cannot be interrupted, so it is abandoned (its thread runs on, its result is ignored) and the
 attempt fails at once, which releases the lease.
+
+Every outcome is storable by construction: whatever a handler returns or raises, its error text
+is cleaned of what PostgreSQL's text refuses (NUL, lone surrogates), its retry delay is finite and
+bounded, and a return value that cannot be stored as jsonb fails the attempt with a clear error
+instead of failing the ack that carries it (and every ack batched with it).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import asyncio
 import functools
 import json
 import logging
+import math
+import re
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -25,7 +32,7 @@ import psycopg
 
 from ..context import JobContext
 from ..errors import Fail, Retry
-from ..jobs import Status
+from ..jobs import MAX_DELAY_SECONDS, Status
 from . import arrays
 from .state import ClaimedJob
 from .transactions import CommitUncertainError, Transactions
@@ -57,6 +64,8 @@ class Outcome:
     written: bool | None = None
     #: The write may have committed unseen (a failed COMMIT): the completer checks first.
     uncertain: bool = False
+    #: Written in place of an outcome the database refused (see completer): never replaced.
+    replaces: bool = False
 
 
 def ack_params(batch: list[Outcome], *, packed: bool = False) -> dict[str, Any]:
@@ -90,31 +99,84 @@ def ack_params(batch: list[Outcome], *, packed: bool = False) -> dict[str, Any]:
     }
 
 
+def storable_text(text: str) -> str:
+    """``text`` as PostgreSQL's text type takes it: NUL and lone surrogates (from a bad decode)
+    written as backslash escapes, everything else unchanged."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def format_error(exc: BaseException, *, with_traceback: bool = True) -> str:
     """``Type: message`` then the traceback, cut to a size that fits a row and a dashboard."""
-    head = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    try:
+        head = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    except Exception as broken:  # an exception whose __str__ raises
+        head = f"{type(exc).__name__}: <str() failed: {type(broken).__name__}>"
     if not with_traceback:
-        return head[:MAX_ERROR_CHARS]
-    tb = "".join(traceback.format_exception(exc))
+        return storable_text(head[:MAX_ERROR_CHARS])
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except Exception:
+        tb = "<the traceback could not be formatted>"
     text = f"{head}\n\n{tb}"
     if len(text) > MAX_ERROR_CHARS:
         keep = MAX_ERROR_CHARS // 2
         text = f"{text[:keep]}\n... [truncated] ...\n{text[-keep:]}"
-    return text
+    return storable_text(text)
+
+
+def bounded_delay(seconds: float) -> float:
+    """A retry delay PostgreSQL's interval arithmetic takes: finite, 0 to MAX_DELAY_SECONDS."""
+    if not math.isfinite(seconds):
+        return MAX_DELAY_SECONDS if seconds > 0 else 0.0
+    return min(max(seconds, 0.0), MAX_DELAY_SECONDS)
 
 
 class TaskTimeoutError(Exception):
     pass
 
 
-def encode_result(result: Any) -> tuple[str | None, str | None]:
-    """The handler's return value as stored JSON, or a note on why it could not be stored."""
+class TaskNotRegisteredError(Exception):
+    """A claimed job's task has no handler here (the fetcher hands such jobs back first)."""
+
+
+class ResultNotStorableError(Exception):
+    """The handler's return value cannot be stored as jsonb: the attempt fails with this."""
+
+
+#: ``\u0000`` escapes in JSON text (an odd number of backslashes before ``u0000``): jsonb refuses
+#: them. An even number is an escaped backslash followed by the letters, which is fine.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def encode_result(result: Any) -> str | None:
+    """The handler's return value as the JSON text ``complete_jobs`` stores as jsonb; raises
+    ResultNotStorableError for anything PostgreSQL would refuse, so that no ack ever fails on
+    it."""
     if result is None:
-        return None, None
+        return None
     try:
-        return json.dumps(result, ensure_ascii=False, allow_nan=False), None
-    except (TypeError, ValueError) as exc:
-        return None, f"ResultNotStored: the handler's result is not JSON-serialisable ({exc})"
+        text = json.dumps(result, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ResultNotStorableError(
+            f"the handler's return value cannot be stored as JSON ({exc})"
+        ) from None
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        raise ResultNotStorableError(
+            "the handler's return value contains NUL (\\u0000), which jsonb cannot store"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ResultNotStorableError(
+            "the handler's return value contains a lone surrogate (not valid UTF-8)"
+        ) from None
+    return text
 
 
 async def _no_ack(call: Awaitable[Any]) -> tuple[Any, None]:
@@ -134,7 +196,7 @@ class Executor:
         self.threads = threads
         self.transactions = transactions
 
-    def context(self, job: ClaimedJob, lease_seconds: float) -> JobContext:
+    def context(self, job: ClaimedJob, lease_deadline: Callable[[], float]) -> JobContext:
         return JobContext(
             job_id=job.id,
             task=job.task,
@@ -142,48 +204,85 @@ class Executor:
             attempt=job.attempt,
             max_attempts=job.max_attempts,
             lease_token=job.lease_token,
-            lease_deadline=time.time() + lease_seconds,
             worker_id=self.worker_id,
+            _lease_deadline=lease_deadline,
         )
 
     async def run(
-        self, job: ClaimedJob, lease_seconds: float, on_ack: Callable[[], None]
+        self,
+        job: ClaimedJob,
+        started: float,
+        lease_deadline: Callable[[], float],
+        on_ack: Callable[[], None],
     ) -> Outcome:
-        """Run the handler; never raises except CancelledError (lease lost or shutdown).
+        """Run the handler; never raises except CancelledError (the handler's own or the
+        worker's: the caller tells them apart). ``started`` is the monotonic start time;
         ``on_ack`` is called when a handler's own transaction is about to write its ack."""
-        started = time.monotonic()
+        text: str | None = None
         try:
-            result, written = await self._call(job, lease_seconds, started, on_ack)
+            result, written = await self._call(job, lease_deadline, started, on_ack)
+            if written is None:  # else the handler's own transaction stored it already
+                text = encode_result(result)
         except asyncio.CancelledError:
             raise
-        except Retry as exc:
-            return self._retry(job, started, exc.after, exc)
-        except Fail as exc:
-            return self._outcome(job, started, Status.DEAD, None, f"Fail: {exc.reason}")
         except Exception as exc:
-            task = self.app.tasks.get(job.task)
-            backoff = (task.backoff if task else None) or self.app.backoff
-            outcome = self._retry(job, started, backoff.delay(job.attempt), exc)
-            outcome.uncertain = isinstance(exc, CommitUncertainError)
-            return outcome
-        outcome = self._success(job, started, result)
+            return self.failure(job, started, exc)
+        outcome = self._outcome(job, started, Status.SUCCEEDED, None, None, text)
         outcome.written = written
         return outcome
 
+    def failure(self, job: ClaimedJob, started: float, exc: BaseException) -> Outcome:
+        """The outcome of an attempt that raised ``exc``: a retry, or dead."""
+        if isinstance(exc, Retry):
+            return self._retry(job, started, exc.after, exc)
+        if isinstance(exc, Fail):
+            return self._outcome(
+                job, started, Status.DEAD, None, storable_text(f"Fail: {exc.reason}")
+            )
+        outcome = self._retry(job, started, self._backoff_delay(job), exc)
+        outcome.uncertain = isinstance(exc, CommitUncertainError)
+        return outcome
+
+    def unstorable(self, job: ClaimedJob, outcome: Outcome, reason: str) -> Outcome:
+        """What to write instead of an outcome the database refused: a failed attempt whose
+        error says why, with nothing of the handler's in it (plain ASCII, no result)."""
+        cause = reason.encode("ascii", "backslashreplace").decode("ascii")[: MAX_ERROR_CHARS // 2]
+        error = (
+            f"OutcomeNotStored: the database refused to store this attempt's "
+            f"{outcome.status.value} outcome ({cause})"
+        )
+        dead = job.attempt >= job.max_attempts
+        return Outcome(
+            job_id=job.id,
+            lease_token=job.lease_token,
+            status=Status.DEAD if dead else Status.RETRYING,
+            delay=None if dead else bounded_delay(self._backoff_delay(job)),
+            error=error,
+            result=None,
+            run_seconds=outcome.run_seconds,
+            queue=job.queue,
+            pickup_seconds=job.pickup_seconds,
+        )
+
+    def _backoff_delay(self, job: ClaimedJob) -> float:
+        task = self.app.tasks.get(job.task)
+        backoff = (task.backoff if task else None) or self.app.backoff
+        return backoff.delay(job.attempt)
+
     async def _call(
-        self, job: ClaimedJob, lease_seconds: float, started: float, on_ack: Callable[[], None]
+        self,
+        job: ClaimedJob,
+        lease_deadline: Callable[[], float],
+        started: float,
+        on_ack: Callable[[], None],
     ) -> tuple[Any, bool | None]:
         """The handler's result, and whether its own transaction wrote the ack (see Outcome)."""
         task = self.app.tasks.get(job.task)
         if task is None:
-            known = ", ".join(sorted(self.app.tasks)) or "none"
-            raise LookupError(
-                f"unknown task {job.task!r}: no handler is registered under that name in this "
-                f"worker (registered: {known}); it will be retried in case a deploy adds it"
-            )
+            raise TaskNotRegisteredError(f"no handler is registered for task {job.task!r}")
         kwargs = dict(job.args)
         if task.context_param:
-            kwargs[task.context_param] = self.context(job, lease_seconds)
+            kwargs[task.context_param] = self.context(job, lease_deadline)
         call: Awaitable[tuple[Any, bool | None]]
         if task.connection_param:
             call = self._call_in_transaction(task, job, kwargs, started, on_ack)
@@ -222,8 +321,9 @@ class Executor:
         assert param is not None
 
         def ack(result: Any) -> dict[str, Any]:
+            text = encode_result(result)  # raises (rolling the transaction back) if unstorable
             on_ack()
-            return ack_params([self._success(job, started, result)])
+            return ack_params([self._outcome(job, started, Status.SUCCEEDED, None, None, text)])
 
         if task.is_async:
 
@@ -241,15 +341,13 @@ class Executor:
         )
 
     def _retry(self, job: ClaimedJob, started: float, delay: float, exc: BaseException) -> Outcome:
-        traceback_wanted = not isinstance(exc, Retry | TaskTimeoutError | LookupError)
+        traceback_wanted = not isinstance(
+            exc, Retry | TaskTimeoutError | TaskNotRegisteredError | ResultNotStorableError
+        )
         error = format_error(exc, with_traceback=traceback_wanted)
         if job.attempt >= job.max_attempts:
             return self._outcome(job, started, Status.DEAD, None, error)
-        return self._outcome(job, started, Status.RETRYING, delay, error)
-
-    def _success(self, job: ClaimedJob, started: float, result: Any) -> Outcome:
-        text, note = encode_result(result)
-        return self._outcome(job, started, Status.SUCCEEDED, None, note, text)
+        return self._outcome(job, started, Status.RETRYING, bounded_delay(delay), error)
 
     def _outcome(
         self,

@@ -9,14 +9,22 @@ Its size follows the recent completion rate (what finished in the last window of
 not: a job never waits in this buffer while it could run on an idle worker for long.
 
 It claims when woken (a NOTIFY, a freed slot, a reaped job) and on every poll tick, which is the
-correctness path: a lost notification costs at most one poll interval.
+correctness path: a lost notification costs at most one poll interval. A notification that
+arrives while every slot is busy is kept until a slot frees; it is never dropped. A worker whose
+claim came back short (it is about to wait) asks the database when the next job it could claim
+becomes due (``next_ready_at``) and sleeps no longer than that, so a job enqueued to run later,
+or a retry whose backoff ends, starts on time without waiting for the poll.
+
+A job whose task this worker does not know (an older worker during a rolling deploy) is handed
+back at once without counting the attempt, and from then on the worker claims only its own tasks:
+such jobs wait, untouched, for a worker that knows them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from json import JSONDecoder
 from typing import Any
 from uuid import UUID, uuid4
@@ -46,22 +54,33 @@ class Fetcher:
         *,
         worker_id: UUID,
         queues: list[str] | None,
-        lease: float,
+        tasks: Mapping[str, object],
         poll_interval: float,
         start: Callable[[ClaimedJob], None],
+        wake: Callable[[list[str]], None] = lambda queues: None,
     ) -> None:
         self.pool = pool
+        self.q = q
         self.state = state
         self.worker_id = worker_id
         self.queues = queues
-        self.lease = lease
+        self.tasks = tasks
         self.poll_interval = poll_interval
         self.start = start
+        self.wake = wake
         self.statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+        self.next_ready = q.next_ready_at if queues is None else q.next_ready_at_in_queues
         self.claims = 0
         self._window_started = 0.0
         self._window_finished = 0
         self._recent = 0  # handlers finished in the last complete window
+        #: A notification arrived since the last claim (kept until a claim can be made).
+        self._notified = False
+        #: Loop time at which the earliest job we know of becomes due (None: none known).
+        self._due_at: float | None = None
+        #: Set once a claimed job's task was unknown: claims are then limited to these tasks.
+        self.only_tasks: list[str] | None = None
+        self._unknown_warned: set[str] = set()
         #: Told after every claim whether the fetcher is about to wait for work (the notifier's
         #: ``set_waiting``; nothing to tell when not listening).
         self.on_waiting: Callable[[bool], None] = lambda waiting: None
@@ -98,21 +117,68 @@ class Fetcher:
     async def claim(self, limit: int) -> list[ClaimedJob]:
         token = uuid4()  # this claim's lease token (see claim_jobs)
         params: dict[str, Any] = {
-            "lease": self.lease,
             "worker_id": self.worker_id,
             "limit": limit,
             "token": token,
+            "tasks": self.only_tasks,
         }
         if self.queues is not None:
             params["queues"] = self.queues
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.statement, params)
             rows = await cur.fetchall()
+            jobs = [
+                ClaimedJob(
+                    job_id, queue, task, _decode(args)[0], attempt, max_attempts, token, pickup
+                )
+                for job_id, queue, task, args, attempt, max_attempts, pickup in rows
+            ]
+            if any(job.task not in self.tasks for job in jobs):
+                jobs = await self._hand_back_unknown(conn, jobs)
         self.claims += 1
-        return [
-            ClaimedJob(job_id, queue, task, _decode(args)[0], attempt, max_attempts, token, pickup)
-            for job_id, queue, task, args, attempt, max_attempts, pickup in rows
-        ]
+        return jobs
+
+    async def _hand_back_unknown(
+        self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob]
+    ) -> list[ClaimedJob]:
+        """Give back jobs of tasks this worker does not know, attempt uncounted, and claim only
+        known tasks from now on (see the module docstring)."""
+        unknown = sorted((job for job in jobs if job.task not in self.tasks), key=lambda j: j.id)
+        cur = await conn.execute(
+            self.q.release_leases,
+            {"ids": [job.id for job in unknown], "tokens": [job.lease_token for job in unknown]},
+        )
+        released = {int(row[0]) for row in await cur.fetchall()}
+        self.only_tasks = sorted(self.tasks)
+        for name in sorted({job.task for job in unknown} - self._unknown_warned):
+            self._unknown_warned.add(name)
+            log.warning(
+                "jobs of task %r are waiting, but no handler is registered for it in this worker "
+                "(registered: %s); they are left for a worker that knows it, and this worker "
+                "now claims only its own tasks",
+                name, ", ".join(self.only_tasks) or "none",
+            )  # fmt: skip
+        self.wake([job.queue for job in unknown])
+        # A job that could not be given back (its row locked right now) runs here and fails
+        # as an unknown task, attempt counted, like any other failure.
+        return [job for job in jobs if job.task in self.tasks or job.id not in released]
+
+    async def next_due_in(self) -> float | None:
+        """Seconds until the earliest job this worker could claim becomes due, by the database
+        clock (None: nothing is waiting to become due)."""
+        params: dict[str, Any] = {} if self.queues is None else {"queues": self.queues}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(self.next_ready, params)
+            row = await cur.fetchone()
+        return None if row is None or row[0] is None else max(float(row[0]), 0.0)
+
+    def ready_in(self, seconds: float) -> None:
+        """A job this worker may claim becomes due in ``seconds`` (a retry it just wrote): wake
+        then, if not sooner."""
+        due = asyncio.get_running_loop().time() + seconds
+        if self._due_at is None or due < self._due_at:
+            self._due_at = due
+            self.state.wakeup.set()  # recompute the wait
 
     async def run(self, stopping: asyncio.Event) -> None:
         state = self.state
@@ -121,9 +187,14 @@ class Fetcher:
         next_poll = loop.time() + self.poll_interval
         failures = 0
         while not stopping.is_set():
-            want = self.wanted(loop.time())
-            if want and maybe_more:
+            now = loop.time()
+            if self._due_at is not None and now >= self._due_at:
+                self._due_at = None
+                maybe_more = True
+            want = self.wanted(now)
+            if want and (maybe_more or self._notified):
                 state.wakeup.clear()
+                self._notified = False
                 try:
                     jobs = await self.claim(want)
                     failures = 0
@@ -143,18 +214,25 @@ class Fetcher:
                 # A short claim: the queue is drained and the fetcher will wait, so producers
                 # should notify (see notifier). A full one: it claims again on its own.
                 self.on_waiting(not maybe_more)
+                if not maybe_more:
+                    await self._learn_next_due(loop)
                 continue
-            timeout = max(next_poll - loop.time(), 0.0)
-            woke = await self._wait(stopping, timeout)
+            wake_at = next_poll if self._due_at is None else min(next_poll, self._due_at)
+            woke = await self._wait(stopping, max(wake_at - loop.time(), 0.0))
             if not woke or loop.time() >= next_poll:
                 next_poll = loop.time() + self.poll_interval
                 maybe_more = True
-            elif woke and state.free_slots:
-                # Woken by a notification, a freed slot or a reaped job: look again.
-                maybe_more = maybe_more or self._notified
-            self._notified = False
 
-    _notified = False
+    async def _learn_next_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            due_in = await self.next_due_in()
+        except Exception as exc:  # only latency is at stake: the poll still runs
+            log.debug("could not ask when the next job is due (%s)", exc)
+            return
+        if due_in is not None:
+            due = loop.time() + due_in
+            if self._due_at is None or due < self._due_at:
+                self._due_at = due
 
     def notify(self) -> None:
         """Called by the notifier: there is new work in a queue we serve."""

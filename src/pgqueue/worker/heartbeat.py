@@ -1,9 +1,24 @@
-"""Extends every lease this worker holds in one statement per interval, on its own connection
-(so a busy pool never delays it), and refreshes the worker's row in ``pgqueue_workers``.
+"""Keeps the worker's lease alive: one statement per interval, on its own connection (so a busy
+pool never delays it), whatever the worker holds.
 
-A job missing from the statement's result is no longer ours (reaped or cancelled): its handler
-is cancelled locally. If heartbeats cannot reach the database, handlers whose lease has surely
-run out by now (judged conservatively on the monotonic clock) are abandoned as well.
+One lease covers every job the worker holds (``pgqueue_workers.lease_expires_at``, migration
+0005): the heartbeat writes that one row and only reads job rows, so it never waits on a job's
+row lock (an operator's ``SELECT ... FOR UPDATE``, a handler's transaction committing its ack)
+and never conflicts with a handler's own transaction, whatever its isolation level.
+
+The lease is judged on this side too. Each successful heartbeat moves ``WorkerState.
+lease_deadline`` to when it was sent plus the lease, which is no later than the database's own
+expiry; a timer at that deadline abandons every job the worker has not finished (running
+handlers are cancelled, prefetched jobs dropped), so a handler of a worker that cannot reach the
+database stops when its lease has run out, before any reaper can hand the job to someone else,
+as long as the event loop runs (a stalled loop runs nothing, timers included).
+
+A job missing from the database's answer is no longer ours (reaped or taken by hand): its
+handler is cancelled. Jobs abandoned when the lease ran out may still be the worker's in the
+database (no reaper got there before the heartbeat came back): the next successful heartbeat
+expires their leases, so that the reaper records those attempts as failed. And every
+``UNTRACKED_EVERY`` seconds the heartbeat asks for jobs running under this worker's lease that it
+does not track at all (only a bug can leave one); seen so twice running, they are expired too.
 """
 
 from __future__ import annotations
@@ -20,12 +35,18 @@ from uuid import UUID
 import psycopg
 
 from ..sql import Queries
-from .state import Held, Phase, WorkerState, pause, round_failed
+from .state import Held, Key, Phase, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
 
 # Jobs whose lease can be lost before anything was written: prefetched or running.
 _WAITING_OR_RUNNING = (Phase.PREFETCHED, Phase.RUNNING)
+
+#: The heartbeat's connection never waits longer than this for a lock (its statement only
+#: writes the worker's own row, which nothing else holds for long).
+LOCK_TIMEOUT_MS = 1000
+#: Seconds between looks for jobs held in the database but not tracked (see the docstring).
+UNTRACKED_EVERY = 60.0
 
 
 class Heartbeat:
@@ -53,6 +74,12 @@ class Heartbeat:
         self.connect_kwargs = connect_kwargs
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self._connecting = asyncio.Lock()
+        self._timer: asyncio.TimerHandle | None = None
+        #: Jobs abandoned when the lease ran out, to expire once the database is back.
+        self._abandoned: set[Key] = set()
+        #: Untracked jobs seen by the previous look (see the module docstring), and when.
+        self._untracked: set[Key] = set()
+        self._untracked_at = 0.0
         self.beats = 0
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
@@ -60,19 +87,47 @@ class Heartbeat:
         # the connection the first stored would be dropped unclosed.
         async with self._connecting:
             if self.conn is None or self.conn.closed or self.conn.broken:
-                self.conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
+                conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
+                await conn.execute(f"SET lock_timeout = {LOCK_TIMEOUT_MS}")
+                self.conn = conn
             return self.conn
 
+    def extended(self, sent_at: float) -> None:
+        """The database extended the lease by a statement sent at ``sent_at`` (monotonic):
+        move the local deadline and the timer that acts on it."""
+        state = self.state
+        state.lease_deadline = max(state.lease_deadline, sent_at + self.lease)
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(state.lease_deadline - time.monotonic(), 0.0)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._lease_ran_out)
+
+    def _lease_ran_out(self) -> None:
+        self._timer = None
+        if time.monotonic() < self.state.lease_deadline:  # extended meanwhile
+            return
+        abandoned = [h for h in self.state.held.values() if h.phase in _WAITING_OR_RUNNING]
+        if abandoned:
+            log.warning(
+                "the worker's lease ran out before a heartbeat could extend it (the database "
+                "was unreachable or the process stalled); abandoning %d jobs",
+                len(abandoned),
+            )
+        for h in abandoned:
+            self._abandoned.add(h.job.key)
+            self.on_lost(h)
+
     async def beat(self) -> None:
-        held = [h for h in self.state.held.values() if h.phase is not Phase.ABANDONED]
+        state = self.state
+        held = [h for h in state.held.values() if h.phase is not Phase.ABANDONED]
         sent_at = time.monotonic()
-        stale = self.state.counters.stale_unreported
+        stale = state.counters.stale_unreported
         params = {
             "worker_id": self.worker_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "queues": self.queues,
-            "concurrency": self.state.concurrency,
+            "concurrency": state.concurrency,
             "stale_writes": stale,
             "lease": self.lease,
             "ids": [h.job.id for h in held],
@@ -80,22 +135,56 @@ class Heartbeat:
         }
         conn = await self._connection()
         cur = await conn.execute(self.q.extend_leases, params)
-        kept = {int(row[0]) for row in await cur.fetchall()}
-        self.state.counters.stale_unreported -= stale
+        lost = await cur.fetchall()
+        state.counters.stale_unreported -= stale
         self.beats += 1
-        for h in held:
-            if h.job.id in kept:
-                h.lease_deadline = sent_at + self.lease
-            elif self.state.held.get(h.job.id) is h and h.phase in _WAITING_OR_RUNNING:
-                log.warning("job %d: lease lost (reaped or cancelled); abandoning it", h.job.id)
+        self.extended(sent_at)
+        for job_id, token in lost:
+            h = state.held.get((int(job_id), token))
+            if h is not None and h.phase in _WAITING_OR_RUNNING:
+                log.warning("job %d: lease lost (reaped or taken over); abandoning it", job_id)
                 self.on_lost(h)
+        if self._abandoned:
+            # Those whose handler has ended (a cancelled handler may take a moment).
+            gone = self._abandoned - state.held.keys()
+            self._abandoned -= gone
+            await self._give_up(conn, sorted(gone), "abandoned when the worker's lease ran out")
+        if sent_at - self._untracked_at >= UNTRACKED_EVERY:
+            self._untracked_at = sent_at
+            await self._look_for_untracked(conn, held)
 
-    def abandon_expired(self) -> None:
-        now = time.monotonic()
-        for h in list(self.state.held.values()):
-            if h.phase in _WAITING_OR_RUNNING and now >= h.lease_deadline:
-                log.warning("job %d: lease ran out while the database was unreachable", h.job.id)
-                self.on_lost(h)
+    async def _look_for_untracked(
+        self, conn: psycopg.AsyncConnection[Any], held: list[Held]
+    ) -> None:
+        cur = await conn.execute(
+            self.q.untracked_jobs,
+            {
+                "worker_id": self.worker_id,
+                "ids": [h.job.id for h in held],
+                "tokens": [h.job.lease_token for h in held],
+            },
+        )
+        untracked = {(int(job_id), token) for job_id, token in await cur.fetchall()}
+        # Twice running: a claim or an ack on its way during one look is settled by the next.
+        keys = sorted((untracked & self._untracked) - self.state.held.keys())
+        self._untracked = untracked - set(keys)
+        if keys:
+            await self._give_up(conn, keys, "running under this worker's lease, but untracked")
+
+    async def _give_up(self, conn: psycopg.AsyncConnection[Any], keys: list[Key], why: str) -> None:
+        """End these attempts' leases: the reaper records them as failed."""
+        if not keys:
+            return
+        cur = await conn.execute(
+            self.q.expire_leases, {"ids": [k[0] for k in keys], "tokens": [k[1] for k in keys]}
+        )
+        expired = [int(row[0]) for row in await cur.fetchall()]
+        self.state.counters.given_up += len(expired)
+        if expired:
+            log.error(
+                "jobs %s: %s; their leases were expired, and the reaper records the attempts "
+                "as failed", ", ".join(map(str, expired)), why,
+            )  # fmt: skip
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
@@ -108,9 +197,11 @@ class Heartbeat:
                 if self.conn is not None:
                     await self.conn.close()
                     self.conn = None
-            self.abandon_expired()
             await pause(stopping, self.interval)
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.conn is not None:
             await self.conn.close()

@@ -1,14 +1,17 @@
 """Recovers jobs whose lease expired, and keeps the tables small.
 
-Every worker runs one; there is no leader. The reaping statement is guarded on the expired lease
-itself (see ``reap_expired_leases``), so two reapers, or a reaper racing a late completion, can
-never overwrite a job that finished or was claimed again.
+Every worker runs one; there is no leader. The reaping statement locks what it takes and
+re-checks the expired lease on the newest row version (see ``reap_expired_leases``), so two
+reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
+claimed again; it skips rows locked right now instead of waiting for them, so one stuck row
+never holds up the round. Reaped jobs that will run again wake waiting workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -22,7 +25,6 @@ log = logging.getLogger("pgqueue.worker.reaper")
 
 PRUNE_BATCH = 10_000  # the LIMIT of prune_finished_jobs
 PRUNE_ROUNDS = 100  # at most a million rows per prune, then the next round goes on
-LOCK_WAIT_MS = 500  # an ack commits within milliseconds; longer means its holder stalled
 
 
 class Reaper:
@@ -36,6 +38,7 @@ class Reaper:
         interval: float,
         lease: float,
         retention: float | None,
+        wake: Callable[[list[str]], None] = lambda queues: None,
     ) -> None:
         self.pool = pool
         self.q = q
@@ -44,11 +47,10 @@ class Reaper:
         self.interval = interval
         self.lease = lease
         self.retention = retention
+        self.wake = wake
         self.rounds = 0
         #: Test hook: seconds to stall between finding an expired lease and updating it.
         self.pause_for_tests = 0.0
-        #: Rounds that gave up waiting on a row lock and reaped around it.
-        self.lock_waits = 0
 
     async def reap(self) -> int:
         params = {
@@ -57,21 +59,14 @@ class Reaper:
             "pause": self.pause_for_tests,
         }
         async with self.pool.connection() as conn:
-            try:
-                async with conn.transaction():
-                    await conn.execute(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}")
-                    cur = await conn.execute(self.q.reap_expired_leases, params)
-                    rows = await cur.fetchall()
-            except psycopg.errors.LockNotAvailable:
-                # A holder sits between its ack and its COMMIT: reap around it.
-                self.lock_waits += 1
-                cur = await conn.execute(self.q.reap_expired_leases_skip_locked, params)
-                rows = await cur.fetchall()
-        for job_id, status, attempts in rows:
+            cur = await conn.execute(self.q.reap_expired_leases, params)
+            rows = await cur.fetchall()
+        for job_id, status, attempts, _queue in rows:
             log.warning("job %s: lease expired on attempt %s; now %s", job_id, attempts, status)
         self.state.counters.reaped += len(rows)
         if rows:
             self.state.wakeup.set()
+            self.wake([str(queue) for _, status, _, queue in rows if status == "retrying"])
         return len(rows)
 
     async def prune(self) -> int:

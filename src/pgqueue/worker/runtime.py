@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from .. import db, stats
 from ..errors import ConfigurationError, PgQueueError
-from .completer import Completer
+from .completer import LOCK_TIMEOUT_MS, Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .heartbeat import Heartbeat
@@ -31,7 +32,7 @@ from .notifier import KEEPALIVES, Notifier
 from .reaper import Reaper
 from .scheduler import Scheduler
 from .slots import JobRun, Slots
-from .state import ClaimedJob, Held, Phase, WorkerState
+from .state import TRANSIENT, ClaimedJob, Held, Phase, WorkerState
 from .statistics import StatsWriter
 from .transactions import Transactions
 
@@ -144,6 +145,8 @@ class Worker:
         self._signals = 0
         #: Why the worker stopped on its own, if it did (the process then exits non-zero).
         self.failure: str | None = None
+        #: Background wake-ups of waiting workers (see ``wake``), kept until they finish.
+        self._wakes: set[asyncio.Task[None]] = set()
 
     # --- public ---------------------------------------------------------------------------
 
@@ -184,22 +187,49 @@ class Worker:
             kwargs=connect_kwargs("pool"),
         )
         await pool.open()
+        self.pool = pool
+
+        async def bound_lock_waits(conn: psycopg.AsyncConnection[Any]) -> None:
+            await conn.execute(f"SET lock_timeout = {LOCK_TIMEOUT_MS}")
+
+        # The acks' own connection: a short lock_timeout on it, and never behind a claim.
+        ack_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=1,
+            open=False,
+            timeout=10,
+            name="pgqueue-worker-acks",
+            kwargs=connect_kwargs("acks"),
+            configure=bound_lock_waits,
+        )
+        await ack_pool.open()
         # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
         # returns, and the headroom keeps such threads from starving the next handlers
         # (threads are only started when needed).
         threads = ThreadPoolExecutor(2 * self.concurrency, thread_name_prefix="pgqueue-task")
-        self.transactions = Transactions(dsn, q, self.concurrency, connect_kwargs("handler"))
+        self.transactions = Transactions(
+            dsn, q, self.concurrency, connect_kwargs("handler"), lock_timeout=self.lease
+        )
         self.executor = Executor(self.app, self.id, threads, self.transactions)
-        self.completer = Completer(pool, q, self._on_written, flush_interval=self.flush_interval)
+        self.completer = Completer(
+            ack_pool,
+            q,
+            self._on_written,
+            on_refused=self._on_refused,
+            on_given_up=self._on_given_up,
+            flush_interval=self.flush_interval,
+        )
         self.fetcher = Fetcher(
             pool,
             q,
             state,
             worker_id=self.id,
             queues=self.queues,
-            lease=self.lease,
+            tasks=self.app.tasks,
             poll_interval=self.poll_interval,
             start=self._start,
+            wake=self.wake,
         )
         self.heartbeat = Heartbeat(
             dsn,
@@ -220,6 +250,7 @@ class Worker:
             interval=self.reaper_interval,
             lease=self.lease,
             retention=self.retention,
+            wake=self.wake,
         )
         self.notifier = Notifier(
             dsn,
@@ -236,6 +267,7 @@ class Worker:
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)
         stats_writer = StatsWriter(pool, self.recorder, self.app.schema)
         services_stop = asyncio.Event()
+        heartbeat_stop = asyncio.Event()
         # Signals first: once registered the worker counts as started, and a SIGTERM from then on
         # must stop it gracefully (exit 0), not kill it with the default action.
         self._install_signals()
@@ -243,9 +275,15 @@ class Worker:
             await self._register(pool)
         except BaseException:
             self._remove_signals()
+            await self.heartbeat.close()
+            await ack_pool.close()
+            await pool.close()
+            threads.shutdown(wait=False)
             raise
+        # The heartbeat runs until the worker has given back what it holds and deregistered:
+        # its lease must not lapse while the last results are written.
+        heartbeat = asyncio.create_task(self.heartbeat.run(heartbeat_stop), name="heartbeat")
         services = [
-            asyncio.create_task(self.heartbeat.run(services_stop), name="heartbeat"),
             asyncio.create_task(self.reaper.run(services_stop), name="reaper"),
             asyncio.create_task(self.completer.run(services_stop), name="completer"),
             asyncio.create_task(self.scheduler.run(pool, services_stop), name="scheduler"),
@@ -253,7 +291,7 @@ class Worker:
         ]
         if self.listen:
             services.append(asyncio.create_task(self.notifier.run(services_stop), name="notifier"))
-        for service in services:
+        for service in [heartbeat, *services]:
             service.add_done_callback(self._service_ended)
         fetcher = asyncio.create_task(self.fetcher.run(state.stopping), name="fetcher")
         log.info(
@@ -271,15 +309,21 @@ class Worker:
             self.completer.stop()
             services_stop.set()
             await asyncio.gather(*services, return_exceptions=True)
-            await self.completer.drain(timeout=10)
+            unwritten = await self.completer.drain(timeout=10)
+            if unwritten:
+                self._unwritten(unwritten)
             await stats_writer.final_flush()
             await self._release_unfinished(pool)
+            # The heartbeat would re-create the row that deregistering deletes.
+            heartbeat_stop.set()
+            await asyncio.gather(heartbeat, return_exceptions=True)
             await self._deregister(pool)
         finally:
-            for task in [fetcher, *services, *self.slots.tasks]:
+            for task in [fetcher, heartbeat, *services, *self.slots.tasks, *self._wakes]:
                 task.cancel()
             await self.heartbeat.close()
             await self.transactions.close()
+            await ack_pool.close()
             await pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
             self._remove_signals()
@@ -304,6 +348,7 @@ class Worker:
                 ) from None
 
     async def _register(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+        sent_at = time.monotonic()
         async with pool.connection() as conn:
             await conn.execute(
                 self.app.q.register_worker,
@@ -313,8 +358,10 @@ class Worker:
                     "pid": os.getpid(),
                     "queues": self.queues,
                     "concurrency": self.concurrency,
+                    "lease": self.lease,
                 },
             )
+        self.heartbeat.extended(sent_at)
 
     async def _deregister(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
         try:
@@ -379,13 +426,23 @@ class Worker:
             run.cancel()
         await self.slots.wait(5)
 
+    def _unwritten(self, outcomes: list[Outcome]) -> None:
+        """Results the database never took by the end of the shutdown: not silent."""
+        ids = ", ".join(str(o.job_id) for o in outcomes[:20])
+        more = f" and {len(outcomes) - 20} more" if len(outcomes) > 20 else ""
+        self.failure = f"{len(outcomes)} results could not be written ({ids}{more})"
+        log.error(
+            "%s; those jobs run again once their lease has run out", self.failure.capitalize()
+        )
+
     async def _release_unfinished(
         self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
     ) -> None:
         assert self.state is not None
-        unfinished = [
-            h for h in self.state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED)
-        ]
+        unfinished = sorted(
+            (h for h in self.state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED)),
+            key=lambda h: h.job.id,
+        )
         if not unfinished:
             return
         try:
@@ -397,11 +454,35 @@ class Worker:
                         "tokens": [h.job.lease_token for h in unfinished],
                     },
                 )
-                released = len(await cur.fetchall())
-            self.state.counters.released += released
-            log.info("released %d unfinished jobs for other workers", released)
-        except (psycopg.Error, OSError) as exc:
+                released = await cur.fetchall()
+                if released:
+                    await self._wake_now(conn, [str(row[1]) for row in released])
+            self.state.counters.released += len(released)
+            log.info("released %d unfinished jobs for other workers", len(released))
+        except TRANSIENT as exc:
             log.warning("could not release %d leases (%s); they will expire", len(unfinished), exc)
+
+    # --- waking other workers -------------------------------------------------------------
+
+    def wake(self, queues: list[str]) -> None:
+        """Jobs in ``queues`` became ready, or will soon, through an UPDATE of ours (a retry, a
+        hand-back, a reap): tell waiting workers (``wake_waiting_workers``), off the caller's
+        path. A failure costs only latency: the poll finds the jobs."""
+        if not queues:
+            return
+        task = asyncio.get_running_loop().create_task(self._wake(queues), name="wake")
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    async def _wake(self, queues: list[str]) -> None:
+        try:
+            async with self.pool.connection() as conn:
+                await self._wake_now(conn, queues)
+        except Exception as exc:
+            log.debug("could not wake waiting workers (%s); the poll will find the jobs", exc)
+
+    async def _wake_now(self, conn: psycopg.AsyncConnection[Any], queues: list[str]) -> None:
+        await conn.execute(self.app.q.wake_waiting_workers, {"queues": sorted(set(queues))})
 
     # --- per job --------------------------------------------------------------------------
 
@@ -409,12 +490,16 @@ class Worker:
         assert self.state is not None
         state = self.state
         state.counters.claimed += 1
-        held = Held(job, state.lease_deadline(self.lease), phase=Phase.PREFETCHED)
-        state.held[job.id] = held
+        held = Held(job)
+        state.held[job.key] = held
         if state.stopping.is_set():
             return  # claimed as we stopped: released with the other unfinished jobs
         state.buffer.append(held)
         self.slots.buffered()
+
+    def _lease_deadline(self) -> float:
+        assert self.state is not None
+        return self.state.lease_deadline
 
     async def _execute(self, held: Held) -> None:
         """Run one job on the calling slot (see ``slots``) and hand its outcome on."""
@@ -422,15 +507,23 @@ class Worker:
         state = self.state
         held.phase = Phase.RUNNING
         state.running += 1
+        held.started = time.monotonic()
         held.handler = run = JobRun(
-            self.executor.run(held.job, self.lease, on_ack=held.acking), self.slots
+            self.executor.run(held.job, held.started, self._lease_deadline, held.acking),
+            self.slots,
         )
         try:
             outcome: Outcome = await run
-        except asyncio.CancelledError:
-            if held.lost:
-                state.held.pop(held.job.id, None)
-            return
+        except asyncio.CancelledError as exc:
+            slot = asyncio.current_task()
+            if run.cancel_requested or (slot is not None and slot.cancelling()):
+                # The worker's own cancellation: a lost lease, or the end of the grace period
+                # (then the job is handed back at shutdown).
+                if held.lost:
+                    state.held.pop(held.job.key, None)
+                return
+            # The handler's own: it awaited something that someone else cancelled.
+            outcome = self.executor.failure(held.job, held.started, exc)
         finally:
             held.handler = None
             state.running -= 1
@@ -446,24 +539,60 @@ class Worker:
         assert self.state is not None
         if not held.lost:
             held.lost = True
-            self._count_stale(held.job.id)
+            self._count_stale()
             self.recorder.record(held.job.queue, "lost", None, None)
         held.phase = Phase.ABANDONED
         if held.handler is not None:
             held.handler.cancel()
         else:
-            self.state.held.pop(held.job.id, None)
+            self.state.held.pop(held.job.key, None)
 
-    def _count_stale(self, job_id: int) -> None:
+    def _count_stale(self) -> None:
         assert self.state is not None
         self.state.counters.stale_writes += 1
         self.state.counters.stale_unreported += 1
 
+    def _on_refused(self, outcome: Outcome, reason: str) -> Outcome | None:
+        """The database refused to store ``outcome``: the plain failed attempt to write instead
+        (None: the attempt is no longer ours to write)."""
+        assert self.state is not None
+        held = self.state.held.get((outcome.job_id, outcome.lease_token))
+        if held is None:
+            return None
+        self.state.counters.unstorable += 1
+        return self.executor.unstorable(held.job, outcome, reason)
+
+    def _on_given_up(self, outcome: Outcome, reason: str) -> None:
+        """Not even a plain failure could be written: end the attempt's lease, so that the
+        reaper records it (the heartbeat would find it untracked and do the same, later)."""
+        assert self.state is not None
+        held = self.state.held.pop((outcome.job_id, outcome.lease_token), None)
+        if held is not None:
+            held.phase = Phase.ABANDONED
+        self.state.counters.given_up += 1
+        task = asyncio.get_running_loop().create_task(self._expire([outcome]), name="give-up")
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    async def _expire(self, outcomes: list[Outcome]) -> None:
+        try:
+            async with self.pool.connection() as conn:
+                await conn.execute(
+                    self.app.q.expire_leases,
+                    {
+                        "ids": [o.job_id for o in outcomes],
+                        "tokens": [o.lease_token for o in outcomes],
+                    },
+                )
+        except Exception as exc:
+            log.warning("could not expire given-up leases (%s); the heartbeat will retry", exc)
+
     def _on_written(self, batch: list[Outcome], accepted: set[int]) -> None:
         assert self.state is not None
         counters = self.state.counters
+        retried: list[str] = []
         for outcome in batch:
-            held = self.state.held.pop(outcome.job_id, None)
+            held = self.state.held.pop((outcome.job_id, outcome.lease_token), None)
             if outcome.job_id not in accepted:
                 log.warning(
                     "job %d: result refused, the lease was no longer ours (fenced stale write)",
@@ -472,7 +601,7 @@ class Worker:
                 if held is None or not held.lost:
                     # Once per attempt: a heartbeat that already found this lease gone counted
                     # it (an ack can still be on its way when that happens).
-                    self._count_stale(outcome.job_id)
+                    self._count_stale()
                     self.recorder.record(outcome.queue, "lost", None, None)
                 continue
             kind = _STATS_KIND[outcome.status.value]
@@ -481,7 +610,10 @@ class Worker:
                 counters.succeeded += 1
             elif outcome.status.value == "retrying":
                 counters.retried += 1
+                retried.append(outcome.queue)
+                self.fetcher.ready_in(outcome.delay or 0.0)
             else:
                 counters.dead += 1
         # Written results free lease budget: the fetcher may claim again.
         self.state.wakeup.set()
+        self.wake(retried)

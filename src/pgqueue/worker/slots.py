@@ -92,7 +92,7 @@ class JobRun:
     """One job's coroutine, run by the slot that awaits this object as its own task would run
     it: each step in the job's own context, and cancellable on its own."""
 
-    __slots__ = ("_cancel", "_context", "_coro", "_slots", "_waiting")
+    __slots__ = ("_cancel", "_context", "_coro", "_slots", "_waiting", "cancel_requested")
 
     def __init__(self, coro: Coroutine[Any, Any, Any], slots: Slots) -> None:
         self._coro = coro
@@ -100,10 +100,15 @@ class JobRun:
         self._slots = slots
         self._waiting: asyncio.Future[Any] | None = None
         self._cancel = False
+        #: The worker cancelled this job (a lost lease, the end of the grace period). A
+        #: CancelledError without it is the handler's own (it awaited something someone else
+        #: cancelled): an ordinary failure of the attempt, not a cancellation.
+        self.cancel_requested = False
 
     def cancel(self) -> None:
         """Throw CancelledError into the job at its current await, as Task.cancel does: cancel
         the future it waits on, or, when that already finished, throw when the job resumes."""
+        self.cancel_requested = True
         waiting = self._waiting
         if waiting is None or not waiting.cancel():
             self._cancel = True

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import enum
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -25,6 +24,12 @@ class Phase(enum.Enum):
     ABANDONED = "abandoned"  # lease lost or timed out: nothing more will be written for it
 
 
+#: How the worker knows one attempt: the job id and the lease token of its claim. A job id alone
+#: is not enough: after a stall, the same worker can claim attempt N+1 while attempt N's refused
+#: ack is still on its way, and each must find its own entry.
+Key = tuple[int, UUID]
+
+
 @dataclass(slots=True)
 class ClaimedJob:
     id: int
@@ -36,18 +41,22 @@ class ClaimedJob:
     lease_token: UUID
     pickup_seconds: float
 
+    @property
+    def key(self) -> Key:
+        return (self.id, self.lease_token)
+
 
 @dataclass(slots=True)
 class Held:
     """A job whose lease this worker holds until its result is written or the lease is lost."""
 
     job: ClaimedJob
-    #: Monotonic time by which the lease has surely run out in the database unless extended.
-    lease_deadline: float
     phase: Phase = Phase.PREFETCHED
     #: While the handler runs: what cancels it (a lost lease, the end of the grace period).
     handler: JobRun | None = None
     lost: bool = False
+    #: Monotonic time the handler started (0 until it does).
+    started: float = 0.0
 
     def acking(self) -> None:
         """The handler's own transaction is writing the ack (transactional completion): from
@@ -66,6 +75,11 @@ class Counters:
     stale_writes: int = 0
     stale_unreported: int = 0
     reaped: int = 0
+    #: Outcomes the database refused to store (see completer): recorded as failed attempts.
+    unstorable: int = 0
+    #: Attempts given up (an ack that could not be written at all, a job lost track of): their
+    #: leases were expired for the reaper to record.
+    given_up: int = 0
 
 
 @dataclass
@@ -74,7 +88,10 @@ class WorkerState:
     #: Most jobs claimed ahead of a free slot: at most ``concurrency + prefetch`` unfinished
     #: jobs (running or prefetched) are held at once.
     prefetch: int = 0
-    held: dict[int, Held] = field(default_factory=dict)
+    held: dict[Key, Held] = field(default_factory=dict)
+    #: Monotonic time by which this worker's lease has surely run out in the database unless a
+    #: heartbeat extends it first. One lease covers every job the worker holds (migration 0005).
+    lease_deadline: float = 0.0
     #: Prefetched jobs in claim order. Entries that lost their lease meanwhile are skipped.
     buffer: collections.deque[Held] = field(default_factory=collections.deque)
     running: int = 0
@@ -92,12 +109,9 @@ class WorkerState:
     def next_prefetched(self) -> Held | None:
         while self.buffer:
             held = self.buffer.popleft()
-            if held.phase is Phase.PREFETCHED and self.held.get(held.job.id) is held:
+            if held.phase is Phase.PREFETCHED and self.held.get(held.job.key) is held:
                 return held
         return None
-
-    def lease_deadline(self, lease: float) -> float:
-        return time.monotonic() + lease
 
 
 #: What the database or the network can throw at a service's round: retried quietly.

@@ -7,7 +7,15 @@ the handler's writes included, rolls back. A job's database effects therefore co
 once even when the job runs twice.
 
 Handler transactions use pools of their own (opened on first use, one connection per slot), so
-long handlers never starve the claims and acks on the worker's pool.
+long handlers never starve the claims and acks on the worker's pool. A connection goes back to
+its pool reset (``RESET_SESSION``): a setting, a temporary table, a LISTEN or an advisory lock
+one handler left on its session never reaches the next job that gets the connection.
+
+Any isolation level works: nothing writes a running job's row between its claim and its ack (the
+worker's lease is one row of its own, see ``heartbeat``), so the ack of a REPEATABLE READ or
+SERIALIZABLE transaction conflicts with nothing of the worker's. Before the ack the transaction
+bounds its lock waits by the lease (``SET LOCAL lock_timeout``): if someone else holds the job's
+row that long, the attempt fails and is retried instead of waiting without end.
 """
 
 from __future__ import annotations
@@ -25,17 +33,43 @@ from ..sql import Queries
 #: Given the handler's result, the parameters of its success ack (``complete_jobs``).
 AckParams = Callable[[Any], dict[str, Any]]
 
+#: What a handler may have left on its session, undone before the next job gets the connection
+#: (DISCARD ALL without DEALLOCATE ALL, which would drop psycopg's prepared statements).
+RESET_SESSION = (
+    "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; UNLISTEN *; "
+    "SELECT pg_advisory_unlock_all(); DISCARD SEQUENCES; DISCARD TEMP"
+)
+
+
+async def _reset_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(RESET_SESSION)
+    await conn.commit()
+
+
+def _reset_sync(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(RESET_SESSION)
+    conn.commit()
+
 
 class CommitUncertainError(Exception):
     """The COMMIT of a handler's transaction failed on the client side: it may have committed."""
 
 
 class Transactions:
-    def __init__(self, dsn: str, q: Queries, size: int, connect_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        q: Queries,
+        size: int,
+        connect_kwargs: dict[str, Any],
+        *,
+        lock_timeout: float = 30.0,
+    ) -> None:
         self.dsn = dsn
         self.q = q
         self.size = size
         self.kwargs = {**connect_kwargs, "autocommit": False}
+        self.bound_locks = f"SET LOCAL lock_timeout = {max(int(lock_timeout * 1000), 1)}"
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()
@@ -43,7 +77,12 @@ class Transactions:
     async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
         if self._async is None:
             pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-                self.dsn, min_size=0, max_size=self.size, open=False, kwargs=self.kwargs
+                self.dsn,
+                min_size=0,
+                max_size=self.size,
+                open=False,
+                kwargs=self.kwargs,
+                reset=_reset_async,
             )
             await pool.open()
             self._async = pool
@@ -53,7 +92,12 @@ class Transactions:
         with self._lock:
             if self._sync is None:
                 self._sync = ConnectionPool(
-                    self.dsn, min_size=0, max_size=self.size, open=True, kwargs=self.kwargs
+                    self.dsn,
+                    min_size=0,
+                    max_size=self.size,
+                    open=True,
+                    kwargs=self.kwargs,
+                    reset=_reset_sync,
                 )
             return self._sync
 
@@ -69,7 +113,9 @@ class Transactions:
             try:
                 async with conn.transaction():
                     result = await call(conn)
-                    cur = await conn.execute(self.q.complete_jobs, ack(result))
+                    params = ack(result)
+                    await conn.execute(self.bound_locks)
+                    cur = await conn.execute(self.q.complete_jobs, params)
                     if not await cur.fetchall():
                         raise psycopg.Rollback()  # the lease is gone: none of it may stay
                     acked = True
@@ -90,7 +136,9 @@ class Transactions:
             try:
                 with conn.transaction():
                     result = call(conn)
-                    if not conn.execute(self.q.complete_jobs, ack(result)).fetchall():
+                    params = ack(result)
+                    conn.execute(self.bound_locks)
+                    if not conn.execute(self.q.complete_jobs, params).fetchall():
                         raise psycopg.Rollback()
                     acked = True
             except (psycopg.OperationalError, OSError) as exc:
