@@ -289,11 +289,11 @@ WHERE app = %(app)s AND enabled AND name = ANY(%(names)s::text[])
 RETURNING name
 
 -- name: transfer_schedules
--- A renamed App takes over its schedules (`pgqueue schedules transfer OLD NEW`): the rows keep
--- their ticks, pause and history; only the owner changes.
+-- A renamed App takes over its schedules (`pgqueue schedules transfer OLD NEW [NAME...]`; names
+-- NULL: all of them): the rows keep their ticks, pause and history; only the owner changes.
 UPDATE {schema}.pgqueue_schedules
 SET app = %(to_app)s, updated_at = now()
-WHERE app = %(from_app)s
+WHERE app = %(from_app)s AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
 RETURNING name
 
 -- name: lock_due_schedules

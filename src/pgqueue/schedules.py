@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 MissedPolicy = Literal["latest", "all"]
 DEFAULT_MAX_CATCHUP = 100
 MAX_NAME_LENGTH = 256  # schedule and app names (the columns check the same bound)
-DEFAULT_APP_NAME = "default"  # every App's name before apps had names: rows from then are its
+DEFAULT_APP_NAME = "default"  # App(name=...)'s default; schedules from before owners are its
 
 ALIASES = {
     "@yearly": "0 0 1 1 *",

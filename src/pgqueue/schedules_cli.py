@@ -204,25 +204,38 @@ def prune_command(
 @schedules_command.command("transfer")
 @click.argument("old_app")
 @click.argument("new_app")
+@click.argument("names", nargs=-1, metavar="[NAME]...")
 @_db_options
 @click.pass_obj
 @_errors
 def transfer_command(
-    target: _Target, old_app: str, new_app: str, dsn: str | None, schema: str | None
+    target: _Target,
+    old_app: str,
+    new_app: str,
+    names: tuple[str, ...],
+    dsn: str | None,
+    schema: str | None,
 ) -> None:
-    """Give every schedule owned by app OLD_APP to app NEW_APP, for an App whose name= changed:
-    run it before deploying the renamed app. Ticks, pauses and history are kept."""
+    """Give the schedules owned by app OLD_APP (all, or only the NAMEs) to app NEW_APP, for an
+    App whose name= changed or is set for the first time (schedules from before owners belong to
+    `default`): run it before deploying. Ticks, pauses and history are kept."""
     old_app, new_app = check_app_name(old_app), check_app_name(new_app)
     if old_app == new_app:
         raise ConfigurationError(f"OLD_APP and NEW_APP are both {old_app!r}: nothing to transfer")
     url, schema_name = target.resolve(dsn, schema)
     q = queries(schema_name)
+    params = {"from_app": old_app, "to_app": new_app, "names": list(names) or None}
     with _connect(url) as conn, conn.transaction():
         conn.execute(q.lock_schedule_sync, {"schema": schema_name})
-        params = {"from_app": old_app, "to_app": new_app}
-        names = sorted(str(row[0]) for row in conn.execute(q.transfer_schedules, params))
-    if not names:
+        moved = sorted(str(row[0]) for row in conn.execute(q.transfer_schedules, params))
+        missing = sorted(set(names) - set(moved))
+        if missing:  # raised inside the transaction: nothing is transferred
+            raise ConfigurationError(
+                f"no schedule named {', '.join(map(repr, missing))} belongs to app {old_app!r}; "
+                "nothing transferred"
+            )
+    if not moved:
         click.echo(f"error: no schedules belong to app {old_app!r}", err=True)
         sys.exit(1)
-    for name in names:
+    for name in moved:
         click.echo(f"schedule {name!r}: app {old_app!r} -> {new_app!r}")

@@ -116,9 +116,9 @@ async def scheduling(app: pgqueue.App) -> AsyncIterator[Scheduler]:
 # --- no implicit disabling ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("other", ["default", "reports"])
+@pytest.mark.parametrize("other", [None, "reports"], ids=["same-default-name", "own-name"])
 async def test_worker_of_an_app_without_schedules_leaves_other_schedules_enabled_and_firing(
-    dsn: str, conn: Conn, other: str
+    dsn: str, conn: Conn, other: str | None
 ) -> None:
     """A second service on the same database (here: the same default name, or its own) whose
     app declares no schedules starts a worker: the first service's schedules keep firing."""
@@ -258,6 +258,34 @@ async def test_transfer_hands_a_renamed_apps_schedules_over(dsn: str, conn: Conn
     ]:
         result = runner.invoke(schedules_command, [*args, "--dsn", dsn])
         assert result.exit_code == 1 and result.output.strip() == message
+
+
+async def test_transfer_of_named_schedules_splits_two_services_that_shared_the_default_name(
+    dsn: str, conn: Conn
+) -> None:
+    """Before apps had names, two services on one database both owned their schedules as
+    `default`. Giving them names is a transfer of each one's schedules, by name."""
+    await sync(make_app(dsn, "invoices", "reminders", "exports"))
+    runner = CliRunner()
+    refused = runner.invoke(
+        schedules_command, ["transfer", "default", "billing", "invoices", "nope", "--dsn", dsn]
+    )
+    assert refused.exit_code == 1
+    assert refused.output.strip() == (
+        "error: no schedule named 'nope' belongs to app 'default'; nothing transferred"
+    )
+    assert {row[0] for row in state(conn).values()} == {"default"}  # all or nothing
+    result = runner.invoke(
+        schedules_command, ["transfer", "default", "billing", "invoices", "reminders", "--dsn", dsn]
+    )
+    assert result.exit_code == 0, result.output
+    await sync(make_app(dsn, "invoices", "reminders", name="billing"))
+    await sync(make_app(dsn, "exports"))  # the other service keeps the default name
+    assert {name: row[0] for name, row in state(conn).items()} == {
+        "exports": "default",
+        "invoices": "billing",
+        "reminders": "billing",
+    }
 
 
 # --- explicit retirement ------------------------------------------------------------------------
