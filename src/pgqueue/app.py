@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-from . import db, producer
+from . import db, producer, schedules
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
 from .jobs import Job
@@ -42,6 +42,7 @@ class App:
         self,
         dsn: str | None = None,
         *,
+        name: str = schedules.DEFAULT_APP_NAME,
         schema: str = "public",
         default_queue: str = "default",
         max_payload_bytes: int = producer.DEFAULT_MAX_PAYLOAD,
@@ -56,6 +57,8 @@ class App:
             setting = os.environ.get("PGQUEUE_PREPARED_STATEMENTS")
             prepared_statements = db.parse_flag("PGQUEUE_PREPARED_STATEMENTS", setting, True)
         self.prepared_statements = prepared_statements
+        #: Owns the schedules this app declares; see docs/concepts/schedules.md.
+        self.name = schedules.check_app_name(name)
         self.schema = db.validate_schema(schema)
         self.default_queue = producer.check_name("queue", default_queue, producer.MAX_QUEUE_LENGTH)
         if max_payload_bytes <= 0:
@@ -68,6 +71,7 @@ class App:
         self._pool_lock = threading.Lock()
         self._async_pools: dict[int, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
         self.periodic_schedules: dict[str, Schedule] = {}
+        self.retired_schedules: set[str] = set()
 
     # --- configuration --------------------------------------------------------------------
 
@@ -187,6 +191,18 @@ class App:
         return declare(self, registered, cron=cron, name=name, queue=queue, args=args,
                        priority=priority, max_attempts=max_attempts, missed=missed,
                        max_catchup=max_catchup)  # fmt: skip
+
+    def retire_schedule(self, name: str) -> None:
+        """Stop this app's schedule ``name`` for good when the next worker starts (its row and
+        history stay). Schedules are never stopped just because the code stops declaring them."""
+        schedules.retire(self, name)
+
+    def prune_schedules(self, *, dry_run: bool = False) -> list[str]:
+        """Retire this app's schedules that its code no longer declares; returns their names
+        (with ``dry_run``, only returns them). Run it once no worker of an older version that
+        still declares them is left."""
+        with self.connection() as conn:
+            return schedules.prune(conn, self, dry_run=dry_run)
 
     # --- pools ----------------------------------------------------------------------------
 

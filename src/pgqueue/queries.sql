@@ -317,17 +317,27 @@ WHERE id IN (
 -- ---------------------------------------------------------------------------------------------
 
 -- name: lock_schedule_sync
--- Workers starting together sync one after another, so the last declaration set wins whole.
+-- Syncs, prunes and transfers run one after another, so each sees the others' rows whole.
 SELECT pg_advisory_xact_lock(hashtextextended('pgqueue.schedules:' || %(schema)s, 0))
 
+-- name: schedule_owners
+-- Names a sync or a prune wants that another app owns: refused by name, so the log can say
+-- which two apps collide. upsert_schedules and retire_schedules check the owner themselves.
+SELECT name, app FROM {schema}.pgqueue_schedules
+WHERE name = ANY(%(names)s::text[]) AND app <> %(app)s
+ORDER BY name
+
 -- name: upsert_schedules
--- Declared schedules by name. next_run_at (computed from the database clock) is only taken for
--- new rows, a changed cron, or a schedule declared again after being disabled; otherwise the
--- stored tick stands, so a restart never skips or repeats one. paused is never touched, and
--- rows that already match are left alone (no new row version, updated_at stays).
+-- Declared schedules by name, for rows of this app only: a name another app owns is left as it
+-- is (the WHERE refuses the update; READ COMMITTED re-checks it on the newest row version).
+-- next_run_at (computed from the database clock) is only taken for new rows, a changed cron, or
+-- a schedule declared again after it was retired; otherwise the stored tick stands, so a restart
+-- never skips or repeats one. paused is never touched, and rows that already match are left
+-- alone (no new row version, updated_at stays).
 INSERT INTO {schema}.pgqueue_schedules AS s
-    (name, cron, task, queue, args, priority, max_attempts, next_run_at, missed, max_catchup)
-SELECT d.name, d.cron, d.task, d.queue, d.args::jsonb, d.priority, d.max_attempts,
+    (app, name, cron, task, queue, args, priority, max_attempts, next_run_at, missed,
+     max_catchup)
+SELECT %(app)s, d.name, d.cron, d.task, d.queue, d.args::jsonb, d.priority, d.max_attempts,
        d.next_run_at, d.missed, d.max_catchup
 FROM unnest(%(names)s::text[], %(crons)s::text[], %(tasks)s::text[], %(queues)s::text[],
             %(args)s::text[], %(priorities)s::int[], %(max_attempts)s::int[],
@@ -341,17 +351,35 @@ SET cron = EXCLUDED.cron, task = EXCLUDED.task, queue = EXCLUDED.queue, args = E
     next_run_at = CASE WHEN s.cron <> EXCLUDED.cron OR NOT s.enabled
                        THEN EXCLUDED.next_run_at ELSE s.next_run_at END,
     updated_at = now()
-WHERE (s.cron, s.task, s.queue, s.args, s.priority, s.max_attempts, s.missed, s.max_catchup,
+WHERE s.app = EXCLUDED.app
+  AND (s.cron, s.task, s.queue, s.args, s.priority, s.max_attempts, s.missed, s.max_catchup,
        s.enabled)
       IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.task, EXCLUDED.queue, EXCLUDED.args,
                         EXCLUDED.priority, EXCLUDED.max_attempts, EXCLUDED.missed,
                         EXCLUDED.max_catchup, true)
 
--- name: disable_undeclared_schedules
--- Schedules no longer in the code stop firing; the row (and its history) stays for operators.
+-- name: undeclared_schedules
+-- Live schedules of this app that its code does not declare: they keep firing (a sync only
+-- warns about them; another version of the app may still declare them) until retired.
+SELECT name FROM {schema}.pgqueue_schedules
+WHERE app = %(app)s AND enabled AND name <> ALL(%(declared)s::text[])
+ORDER BY name
+
+-- name: retire_schedules
+-- The only statement that stops a schedule for good, and only on request (prune, or a declared
+-- retirement): rows of this app, by name. The row and its history stay; declaring the name again
+-- brings it back from its next future tick.
 UPDATE {schema}.pgqueue_schedules
 SET enabled = false, updated_at = now()
-WHERE enabled AND name <> ALL(%(names)s::text[])
+WHERE app = %(app)s AND enabled AND name = ANY(%(names)s::text[])
+RETURNING name
+
+-- name: transfer_schedules
+-- A renamed App takes over its schedules (`pgqueue schedules transfer OLD NEW [NAME...]`; names
+-- NULL: all of them): the rows keep their ticks, pause and history; only the owner changes.
+UPDATE {schema}.pgqueue_schedules
+SET app = %(to_app)s, updated_at = now()
+WHERE app = %(from_app)s AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
 RETURNING name
 
 -- name: lock_due_schedules
@@ -398,8 +426,9 @@ FROM {schema}.pgqueue_schedules
 WHERE enabled AND NOT paused
 
 -- name: list_schedules
-SELECT name, cron, task, queue, next_run_at, last_run_at, last_job_id, enabled, paused, missed,
-       max_catchup
+-- `pgqueue schedules`: every row, retired ones too, with its owner (a few rows, by name).
+SELECT name, app, cron, task, queue, next_run_at, last_run_at, last_job_id, enabled, paused,
+       missed, max_catchup
 FROM {schema}.pgqueue_schedules
 ORDER BY name
 

@@ -1,9 +1,14 @@
-"""Periodic schedules: the declaration, cron parsing and the tick arithmetic.
+"""Periodic schedules: the declaration, cron parsing, the tick arithmetic and retirement.
 
 Cron expressions are parsed by cronsim (a maintained library); this module only maps the
 ``@aliases`` to their five-field forms and turns library errors into ``ConfigurationError`` at
 declaration time. Every function that decides a tick takes the reference time as an argument:
 the scheduler passes the database clock (``now()``), never the local one.
+
+A schedule belongs to the app that declared it (``App(name=...)``). Nothing stops a schedule
+implicitly: it is retired only by its own app, on request (``retire``, applied at the next worker
+start, or ``prune``), because another service or another version of the same app may still
+declare what this code does not.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ from . import producer
 from .errors import ConfigurationError, InvalidJobError
 
 if TYPE_CHECKING:
+    import psycopg
+
     from .app import App
     from .tasks import Task
 
 MissedPolicy = Literal["latest", "all"]
 DEFAULT_MAX_CATCHUP = 100
-MAX_NAME_LENGTH = 256
+MAX_NAME_LENGTH = 256  # schedule and app names (the columns check the same bound)
+DEFAULT_APP_NAME = "default"  # App(name=...)'s default; schedules from before owners are its
 
 ALIASES = {
     "@yearly": "0 0 1 1 *",
@@ -40,6 +48,14 @@ ALIASES = {
 # Any fixed instant works for validation; cronsim only needs a starting point.
 _PROBE = datetime(2000, 1, 1, tzinfo=UTC)
 _SECOND = timedelta(seconds=1)
+
+
+def check_app_name(name: object) -> str:
+    """An app's name as its schedules record it: a ConfigurationError when unusable."""
+    try:
+        return producer.check_name("app", name, MAX_NAME_LENGTH)
+    except InvalidJobError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def normalize_cron(expr: object) -> str:
@@ -190,5 +206,37 @@ def declare(
         raise ConfigurationError(
             f"schedule name {schedule_name!r} is already declared; pass name=... to tell them apart"
         )
+    if schedule_name in app.retired_schedules:
+        raise ConfigurationError(
+            f"schedule {schedule_name!r} is both declared and retired; keep only one of the two"
+        )
     app.periodic_schedules[schedule_name] = schedule
     return schedule
+
+
+def retire(app: App, name: object) -> None:
+    """Record that ``app`` retires the schedule ``name``: each worker applies it when it starts
+    (a deploy retires a schedule without running a command). Checked at import time, like a
+    declaration."""
+    try:
+        checked = producer.check_name("schedule", name, MAX_NAME_LENGTH)
+    except InvalidJobError as exc:
+        raise ConfigurationError(f"retire_schedule: {exc}") from None
+    if checked in app.periodic_schedules:
+        raise ConfigurationError(
+            f"schedule {checked!r} is both declared and retired; keep only one of the two"
+        )
+    app.retired_schedules.add(checked)
+
+
+def prune(conn: psycopg.Connection[Any], app: App, *, dry_run: bool) -> list[str]:
+    """Retire the live schedules owned by ``app.name`` that its code no longer declares, and
+    return their names (with ``dry_run``, only return them). Other apps' rows are never
+    touched: only their own app may retire them."""
+    params = {"app": app.name, "declared": sorted(app.periodic_schedules)}
+    with conn.transaction():
+        conn.execute(app.q.lock_schedule_sync, {"schema": app.schema})
+        names = [str(row[0]) for row in conn.execute(app.q.undeclared_schedules, params)]
+        if names and not dry_run:
+            conn.execute(app.q.retire_schedules, {"app": app.name, "names": names})
+    return names

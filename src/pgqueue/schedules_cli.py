@@ -1,7 +1,8 @@
-"""``pgqueue schedules``: list periodic schedules, pause and resume them.
+"""``pgqueue schedules``: list periodic schedules, pause, resume, prune and transfer them.
 
-Kept apart from ``cli.py`` (which adds it with ``main.add_command``) and free of imports from it,
-so that either module can be imported first. Works from the database alone: no ``--app`` needed.
+Kept apart from ``cli.py`` (which adds it with ``main.add_command``) and free of module-level
+imports from it, so that either module can be imported first. Works from the database alone,
+except ``prune``, which needs the app's code to know what it still declares (``--app``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import click
 import psycopg
 
 from . import db
-from .errors import DatabaseUnavailableError, PgQueueError
-from .schedules import next_tick
+from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+from .schedules import check_app_name, next_tick
 from .sql import queries
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-HEADERS = ("Name", "Cron (UTC)", "Task", "Queue", "Next run", "Last run")
+HEADERS = ("Name", "App", "Cron (UTC)", "Task", "Queue", "Next run", "Last run")
 
 
 def _errors(func: F) -> F:
@@ -42,6 +43,12 @@ def _errors(func: F) -> F:
         except psycopg.errors.UndefinedTable:
             click.echo(
                 "error: pgqueue's schedule table is missing: run `pgqueue migrate` first", err=True
+            )
+            sys.exit(1)
+        except psycopg.errors.UndefinedColumn:
+            click.echo(
+                "error: pgqueue's schedule table is out of date: run `pgqueue migrate` first",
+                err=True,
             )
             sys.exit(1)
         except psycopg.OperationalError as exc:
@@ -96,7 +103,8 @@ def format_table(rows: Sequence[Sequence[str]]) -> str:
 @click.pass_context
 @_errors
 def schedules_command(ctx: click.Context, dsn: str | None, schema: str | None) -> None:
-    """List periodic schedules (times in UTC); `pause NAME` / `resume NAME` steer one."""
+    """List periodic schedules with their owning app (times in UTC); `pause NAME` / `resume NAME`
+    steer one, `prune --app` retires an app's undeclared ones, `transfer` renames an owner."""
     ctx.obj = _Target(dsn, schema)
     if ctx.invoked_subcommand is not None:
         return
@@ -108,14 +116,16 @@ def schedules_command(ctx: click.Context, dsn: str | None, schema: str | None) -
         click.echo("No schedules")
         return
     lines = []
-    for name, cron, task, queue, next_run_at, last_run_at, _job, enabled, paused, *_ in rows:
+    for name, app, cron, task, queue, next_run_at, last_run, _job, enabled, paused, *_ in rows:
         if not enabled:
-            upcoming = "disabled (not declared)"
+            upcoming = "retired"
         elif paused:
             upcoming = "paused"
         else:
             upcoming = _when(next_run_at)
-        lines.append((str(name), str(cron), str(task), str(queue), upcoming, _when(last_run_at)))
+        lines.append(
+            (str(name), str(app), str(cron), str(task), str(queue), upcoming, _when(last_run))
+        )
     click.echo(format_table(lines))
 
 
@@ -155,3 +165,77 @@ def resume_command(target: _Target, name: str, dsn: str | None, schema: str | No
                 q.resume_schedule, {"name": name, "next_run_at": next_tick(str(cron), db_now)}
             )
     click.echo(f"schedule {name!r} resumed" if paused else f"schedule {name!r} was not paused")
+
+
+@schedules_command.command("prune")
+@click.option(
+    "--app", "app_spec", required=True, metavar="MODULE:APP", help="The app, as for `worker`."
+)
+@click.option("--dry-run", is_flag=True, help="Only print what would be retired.")
+@_db_options
+@click.pass_obj
+@_errors
+def prune_command(
+    target: _Target, app_spec: str, dry_run: bool, dsn: str | None, schema: str | None
+) -> None:
+    """Retire the schedules owned by the app's name that its code no longer declares (they stop
+    firing; rows and history stay; declaring one again brings it back). Other apps' schedules
+    are never touched. Run it once no worker of an older version that declares them is left."""
+    from .cli import load_app  # deferred: cli.py imports this module
+
+    app = load_app(app_spec)
+    given = dsn or target.dsn
+    if given:
+        app.dsn = given
+    wanted = schema or target.schema
+    if wanted is not None and db.validate_schema(wanted) != app.schema:
+        raise ConfigurationError(f"--schema {wanted!r} differs from the app's {app.schema!r}")
+    try:
+        names = app.prune_schedules(dry_run=dry_run)
+    finally:
+        app.close()
+    verb = "would retire" if dry_run else "retired"
+    for name in names:
+        click.echo(f"{verb} schedule {name!r} of app {app.name!r}")
+    if not names:
+        click.echo(f"app {app.name!r} declares every live schedule it owns: nothing to prune")
+
+
+@schedules_command.command("transfer")
+@click.argument("old_app")
+@click.argument("new_app")
+@click.argument("names", nargs=-1, metavar="[NAME]...")
+@_db_options
+@click.pass_obj
+@_errors
+def transfer_command(
+    target: _Target,
+    old_app: str,
+    new_app: str,
+    names: tuple[str, ...],
+    dsn: str | None,
+    schema: str | None,
+) -> None:
+    """Give the schedules owned by app OLD_APP (all, or only the NAMEs) to app NEW_APP, for an
+    App whose name= changed or is set for the first time (schedules from before owners belong to
+    `default`): run it before deploying. Ticks, pauses and history are kept."""
+    old_app, new_app = check_app_name(old_app), check_app_name(new_app)
+    if old_app == new_app:
+        raise ConfigurationError(f"OLD_APP and NEW_APP are both {old_app!r}: nothing to transfer")
+    url, schema_name = target.resolve(dsn, schema)
+    q = queries(schema_name)
+    params = {"from_app": old_app, "to_app": new_app, "names": list(names) or None}
+    with _connect(url) as conn, conn.transaction():
+        conn.execute(q.lock_schedule_sync, {"schema": schema_name})
+        moved = sorted(str(row[0]) for row in conn.execute(q.transfer_schedules, params))
+        missing = sorted(set(names) - set(moved))
+        if missing:  # raised inside the transaction: nothing is transferred
+            raise ConfigurationError(
+                f"no schedule named {', '.join(map(repr, missing))} belongs to app {old_app!r}; "
+                "nothing transferred"
+            )
+    if not moved:
+        click.echo(f"error: no schedules belong to app {old_app!r}", err=True)
+        sys.exit(1)
+    for name in moved:
+        click.echo(f"schedule {name!r}: app {old_app!r} -> {new_app!r}")

@@ -97,8 +97,11 @@ class Queries:
     prune_finished_jobs: bytes
     # schedules
     lock_schedule_sync: bytes
+    schedule_owners: bytes
     upsert_schedules: bytes
-    disable_undeclared_schedules: bytes
+    undeclared_schedules: bytes
+    retire_schedules: bytes
+    transfer_schedules: bytes
     lock_due_schedules: bytes
     insert_schedule_jobs: bytes
     advance_schedules: bytes

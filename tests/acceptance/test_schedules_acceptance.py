@@ -1,5 +1,5 @@
 """Real worker processes firing a per-second schedule: exactly one job per tick, none missed,
-through SIGKILL, clock skew and an outage."""
+through SIGKILL, clock skew, an outage and another app's worker."""
 
 from __future__ import annotations
 
@@ -84,6 +84,26 @@ def test_three_workers_fire_one_job_per_tick_even_when_one_is_killed(
         20,
         "the scheduled jobs to succeed",
     )
+
+
+def test_a_worker_of_another_app_without_schedules_does_not_stop_them(
+    workers: Workers, conn: Conn, dsn: str, tmp_path: Path
+) -> None:
+    """Another service on the same database (its app declares no schedules, and has the same
+    default name) starts a worker: the schedule keeps firing every tick."""
+    workers.start()
+    wait_for(lambda: len(ticks(conn)) >= 3, 30, "3 ticks")
+    other = WorkerProcesses(dsn, "tests.acceptance.jobs_app:app", tmp_path / "other")
+    (tmp_path / "other").mkdir()
+    try:
+        other.start("--queues", "elsewhere", "--log-level", "INFO")
+        # Its sync names the schedule, which its code does not declare (and leaves it alone).
+        wait_for(lambda: "every-second" in other.output(), 30, "the other's sync")
+        before = len(ticks(conn))
+        wait_for(lambda: len(ticks(conn)) >= before + 5, 30, "5 more ticks")
+    finally:
+        other.stop_all(15)
+    assert_contiguous(ticks(conn))
 
 
 def test_skewed_clocks_and_an_outage_keep_one_job_per_tick_and_the_missed_policy(

@@ -94,7 +94,7 @@ async def test_sync_keeps_next_run_when_cron_is_unchanged_and_recomputes_when_ch
     assert minutes_away is not None and 0 < float(minutes_away[0]) <= 5
 
 
-async def test_removed_schedule_is_disabled_and_renamed_one_replaces_it(
+async def test_removed_schedule_keeps_firing_until_pruned_and_renamed_one_is_a_new_row(
     dsn: str, conn: Conn
 ) -> None:
     old = pgqueue.App(dsn)
@@ -104,8 +104,14 @@ async def test_removed_schedule_is_disabled_and_renamed_one_replaces_it(
     new = pgqueue.App(dsn)
     declare(new, ("report-v2", "@hourly"))
     await sync(new)
-    found = rows(conn)
-    assert {name: r[1] for name, r in found.items()} == {
+    assert {name: r[1] for name, r in rows(conn).items()} == {
+        "gone": True,
+        "report": True,
+        "report-v2": True,
+    }
+    assert new.prune_schedules() == ["gone", "report"]
+    new.close()
+    assert {name: r[1] for name, r in rows(conn).items()} == {
         "gone": False,
         "report": False,
         "report-v2": True,
@@ -125,13 +131,15 @@ async def test_sync_never_touches_paused(app: pgqueue.App, conn: Conn) -> None:
     assert rows(conn)["a"][2] is True
 
 
-async def test_redeclared_schedule_does_not_catch_up_the_time_it_was_removed(
+async def test_redeclared_schedule_does_not_catch_up_the_time_it_was_retired(
     dsn: str, conn: Conn
 ) -> None:
     app = pgqueue.App(dsn)
     declare(app, ("a", "* * * * *"))
     await sync(app)
-    await sync(pgqueue.App(dsn))  # a deploy without it
+    without = pgqueue.App(dsn)  # a deploy without it, pruned
+    assert without.prune_schedules() == ["a"]
+    without.close()
     make_due(conn, "a", "1 hour")
     await sync(app)  # declared again
     assert rows(conn)["a"][1:] == (True, False, rows(conn)["a"][3], True)
@@ -297,10 +305,11 @@ async def test_cli_lists_schedules_like_the_dashboard(app: pgqueue.App, dsn: str
     assert result.exit_code == 0, result.output
     header, *lines = result.output.splitlines()
     assert header.split("  ")[0] == "Name"
-    for column in ("Cron (UTC)", "Task", "Queue", "Next run", "Last run"):
+    for column in ("App", "Cron (UTC)", "Task", "Queue", "Next run", "Last run"):
         assert column in header
     assert lines[0].startswith("cleanup") and "*/5 * * * *" in lines[0] and "UTC" in lines[0]
     assert lines[1].startswith("nightly-report") and "0 3 * * *" in lines[1]
+    assert all(line.split()[1] == "default" for line in lines)  # the owning app
 
 
 def test_cli_empty_and_unknown_names(dsn: str) -> None:

@@ -189,3 +189,47 @@ def test_periodic_below_task_is_refused() -> None:
     app = pgqueue.App("postgresql://unused/x")
     with pytest.raises(pgqueue.ConfigurationError, match=r"on top of @app\.task"):
         app.periodic(cron="* * * * *")(lambda: None)  # type: ignore[arg-type]
+
+
+# --- owners and retirements -------------------------------------------------------------------
+
+
+def test_app_name_defaults_to_default_and_owns_its_schedules() -> None:
+    assert pgqueue.App("postgresql://unused/x").name == "default"
+    assert pgqueue.App("postgresql://unused/x", name="billing").name == "billing"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("", "app name must not be empty"),
+        ("   ", "app name must not be empty"),
+        ("a\x00b", "must not contain NUL"),
+        ("x" * 257, "app name is 257 characters; the limit is 256"),
+        (7, "app name must be a string, got int"),
+        ("\udc80", "lone surrogate"),
+    ],
+)
+def test_unusable_app_names_are_configuration_errors(name: object, message: str) -> None:
+    with pytest.raises(pgqueue.ConfigurationError, match=message):
+        pgqueue.App("postgresql://unused/x", name=name)  # type: ignore[arg-type]
+
+
+def test_a_schedule_cannot_be_declared_and_retired_at_once() -> None:
+    app = pgqueue.App("postgresql://unused/x")
+    app.task(name="t")(lambda: None)
+    app.schedule("s", "* * * * *", task="t")
+    with pytest.raises(pgqueue.ConfigurationError, match="'s' is both declared and retired"):
+        app.retire_schedule("s")
+    app.retire_schedule("old")
+    with pytest.raises(pgqueue.ConfigurationError, match="'old' is both declared and retired"):
+        app.schedule("old", "* * * * *", task="t")
+    assert app.retired_schedules == {"old"} and set(app.periodic_schedules) == {"s"}
+
+
+@pytest.mark.parametrize("name", ["", "a\x00", "x" * 257, None])
+def test_retiring_an_unusable_name_is_a_configuration_error(name: object) -> None:
+    app = pgqueue.App("postgresql://unused/x")
+    with pytest.raises(pgqueue.ConfigurationError, match="retire_schedule: schedule name"):
+        app.retire_schedule(name)  # type: ignore[arg-type]
+    assert app.retired_schedules == set()

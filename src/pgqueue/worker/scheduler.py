@@ -12,6 +12,10 @@ rests on three things, each enough to stop a particular race:
   database clock, so workers whose clocks disagree still agree on every tick.
 
 The local clock is never consulted: even the sleep length is measured by the database.
+
+Every scheduler fires every live schedule, whichever app owns it: firing only inserts a job, and
+no owner's ticks are lost while only another app's workers run. Ownership (``App(name=...)``)
+decides who writes and retires a schedule; see ``sync``.
 """
 
 from __future__ import annotations
@@ -52,41 +56,70 @@ class Scheduler:
         self._unreadable: set[str] = set()
 
     async def sync(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Upsert the declared schedules by name and disable the rows no longer declared.
+        """Write this app's declared schedules and apply its declared retirements; nothing else.
 
-        New rows, a changed cron, or a schedule declared again after being disabled get a
+        Schedules belong to the app that declared them (``App(name=...)``), so a sync never
+        disables what its code does not declare: another service, or another version of this
+        app in a rolling deploy, may still declare it. Those rows are only named in a warning.
+        A name owned by another app is left as it is, with an error naming both apps.
+        New rows, a changed cron, or a schedule declared again after it was retired get a
         ``next_run_at`` computed from the database clock; otherwise the stored one stands.
         ``paused`` is the operator's and is never changed here.
         """
-        declared = sorted(self.app.periodic_schedules.values(), key=lambda s: s.name)
+        app, q = self.app, self.q
+        declared = sorted(app.periodic_schedules.values(), key=lambda s: s.name)
+        names = [s.name for s in declared]
+        retiring = sorted(app.retired_schedules)
         async with conn.transaction():
-            await conn.execute(self.q.lock_schedule_sync, {"schema": self.app.schema})
-            cur = await conn.execute(self.q.database_now)
+            await conn.execute(q.lock_schedule_sync, {"schema": app.schema})
+            cur = await conn.execute(q.database_now)
             row = await cur.fetchone()
             assert row is not None
             db_now: datetime = row[0]
-            if declared:
+            cur = await conn.execute(
+                q.schedule_owners, {"app": app.name, "names": names + retiring}
+            )
+            foreign = {str(name): str(owner) for name, owner in await cur.fetchall()}
+            ours = [s for s in declared if s.name not in foreign]
+            if ours:
                 await conn.execute(
-                    self.q.upsert_schedules,
+                    q.upsert_schedules,
                     {
-                        "names": [s.name for s in declared],
-                        "crons": [s.cron for s in declared],
-                        "tasks": [s.task for s in declared],
-                        "queues": [s.queue for s in declared],
-                        "args": [s.args_json for s in declared],
-                        "priorities": [s.priority for s in declared],
-                        "max_attempts": [s.max_attempts for s in declared],
-                        "next_run_ats": [next_tick(s.cron, db_now) for s in declared],
-                        "misseds": [s.missed for s in declared],
-                        "max_catchups": [s.max_catchup for s in declared],
+                        "app": app.name,
+                        "names": [s.name for s in ours],
+                        "crons": [s.cron for s in ours],
+                        "tasks": [s.task for s in ours],
+                        "queues": [s.queue for s in ours],
+                        "args": [s.args_json for s in ours],
+                        "priorities": [s.priority for s in ours],
+                        "max_attempts": [s.max_attempts for s in ours],
+                        "next_run_ats": [next_tick(s.cron, db_now) for s in ours],
+                        "misseds": [s.missed for s in ours],
+                        "max_catchups": [s.max_catchup for s in ours],
                     },
                 )
-            cur = await conn.execute(
-                self.q.disable_undeclared_schedules, {"names": [s.name for s in declared]}
-            )
-            disabled = [str(r[0]) for r in await cur.fetchall()]
-        if disabled:
-            log.info("schedules no longer declared, now disabled: %s", ", ".join(disabled))
+            retired: list[str] = []
+            if retiring:
+                cur = await conn.execute(q.retire_schedules, {"app": app.name, "names": retiring})
+                retired = sorted(str(r[0]) for r in await cur.fetchall())
+            cur = await conn.execute(q.undeclared_schedules, {"app": app.name, "declared": names})
+            undeclared = [str(r[0]) for r in await cur.fetchall()]
+        for name, owner in foreign.items():
+            action = "declares" if name in app.periodic_schedules else "retires"
+            log.error(
+                "schedule %r belongs to app %r, not to app %r which %s it: left as it is. Give "
+                "one of them another schedule name or, if %r is %r renamed, run "
+                "`pgqueue schedules transfer %s %s`",
+                name, owner, app.name, action, app.name, owner, owner, app.name,
+            )  # fmt: skip
+        if retired:
+            log.info("schedules retired by app %r: %s", app.name, ", ".join(retired))
+        if undeclared:
+            log.warning(
+                "schedules of app %r that this code does not declare keep firing: %s (retire "
+                "them with app.retire_schedule(...) or `pgqueue schedules prune`)",
+                app.name, ", ".join(undeclared),
+            )  # fmt: skip
         self.synced = True
 
     async def tick(self, conn: psycopg.AsyncConnection[Any]) -> int:
