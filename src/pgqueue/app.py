@@ -485,10 +485,16 @@ class App:
             rows = conn.execute(self.q.status_counts).fetchall()
         return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]
 
-    def migrate(self) -> list[int]:
-        """Apply pending schema migrations; returns the versions applied."""
+    def migrate(
+        self, *, lock_timeout: float | None = None, timeout: float | None = None
+    ) -> list[int]:
+        """Apply pending schema migrations, each in its own transaction, without stalling a live
+        queue; returns the versions applied. ``lock_timeout`` (default 1 s) bounds each wait for
+        a lock before the step backs off and retries; after ``timeout`` (default 600 s) a step
+        that still cannot take its locks raises ``MigrationError`` naming who holds them. See
+        ``pgqueue.migrate.migrate``."""
         with db.connect(self.dsn, **self.connect_options) as conn:
-            return apply_migrations(conn, self.schema)
+            return apply_migrations(conn, self.schema, lock_timeout=lock_timeout, timeout=timeout)
 
     # --- workers --------------------------------------------------------------------------
 

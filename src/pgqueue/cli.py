@@ -21,6 +21,7 @@ from .bench.cli import bench_command
 from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
 from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,11 +108,28 @@ def main() -> None:
 
 
 @main.command()
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_LOCK_TIMEOUT,
+    show_default=True,
+    help="Seconds a step may wait for a lock before it backs off and tries again: about the "
+    "longest an enqueue, claim or ack waits behind the migration.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds after which a step that still cannot take its locks fails, naming the "
+    "sessions that hold them (work under way is never interrupted).",
+)
 @db_options
 @friendly_errors
-def migrate(dsn: str | None, schema: str) -> None:
-    """Create or upgrade pgqueue's tables (idempotent, safe to run concurrently)."""
-    applied = make_app(dsn, schema).migrate()
+def migrate(dsn: str | None, schema: str, lock_timeout: float, timeout: float) -> None:
+    """Create or upgrade pgqueue's tables, safely on a live system: each migration in its own
+    transaction, lock waits bounded and retried (idempotent, safe to run concurrently)."""
+    applied = make_app(dsn, schema).migrate(lock_timeout=lock_timeout, timeout=timeout)
     if applied:
         click.echo(f"applied migrations: {', '.join(f'{v:04d}' for v in applied)}")
     else:

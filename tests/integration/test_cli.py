@@ -55,6 +55,35 @@ def test_migrate_then_up_to_date(runner: CliRunner, empty_dsn: str) -> None:
     assert second.exit_code == 0 and second.output.strip() == "schema is up to date"
 
 
+def test_migrate_kept_waiting_past_its_timeout_is_one_error_line_naming_the_holder(
+    runner: CliRunner, empty_dsn: str
+) -> None:
+    with psycopg.connect(empty_dsn, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(hashtextextended('pgqueue.migrate:public', 0))")
+        result = run(
+            runner, "migrate", "--dsn", empty_dsn, "--lock-timeout", "0.1", "--timeout", "0.5"
+        )
+        assert result.exit_code == 1, result.output
+        assert (
+            result.stderr.strip()
+            .splitlines()[-1]
+            .startswith(
+                "error: another migration of schema 'public' held the migration lock for all of "
+                f"0.5 s (held by pid {other.info.backend_pid} (idle, connected for "
+            )
+        )
+        assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("option", ["--lock-timeout", "--timeout"])
+def test_migrate_refuses_a_timeout_that_is_not_positive(
+    runner: CliRunner, empty_dsn: str, option: str
+) -> None:
+    result = runner.invoke(main, ["migrate", "--dsn", empty_dsn, option, "0"])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}'" in result.stderr
+
+
 def test_enqueue_job_status_cancel_requeue(runner: CliRunner, dsn: str, conn: Conn) -> None:
     result = run(
         runner,

@@ -9,9 +9,11 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.migrate import applied_versions, available, migrate
+from pgqueue.errors import ConfigurationError
+from pgqueue.migrate import Migration, MigrationError, applied_versions, available, migrate
 from pgqueue.sql import queries
-from tests.helpers import listening, notifications, register_worker
+from tests.helpers import listening, notifications, register_worker, wait_until
+from tests.upgrade import TEST_VERSIONS, UPGRADE, Migrator, backend_waiting, index_state, upgraded
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -193,3 +195,179 @@ def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
             assert time.monotonic() - start < 5
     finally:
         app.close()
+
+
+# --- upgrading a live database (tests/upgrade: a column, then an index built concurrently) ------
+
+
+def _advisory_locks(conn: Conn, pid: int) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s", (pid,)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_timeout_error_names_the_session_in_the_way_and_the_run_resumes_after(
+    dsn: str, conn: Conn
+) -> None:
+    blocker = psycopg.connect(dsn, application_name="nightly-report")
+    blocker.execute("SELECT count(*) AS nightly_report FROM pgqueue_jobs")
+    with psycopg.connect(dsn, autocommit=True) as migrating:
+        migrating.execute("SET lock_timeout = '7s'")
+        started = time.monotonic()
+        with pytest.raises(MigrationError) as failure:
+            migrate(migrating, migrations=UPGRADE, lock_timeout=0.2, timeout=2)
+        took = time.monotonic() - started
+        message = str(failure.value)
+        assert message.startswith(
+            "migration 9001_probe_column could not take its locks within the 2 s timeout"
+        ), message
+        assert (
+            f"pid {blocker.info.backend_pid} (idle in transaction, transaction open for " in message
+        )
+        assert "application 'nightly-report': SELECT count(*) AS nightly_report FROM" in message
+        assert 1 < took < 2 + 0.2 + 3  # about the timeout, whatever the machine's load
+        # the connection is handed back as it came, and the migration lock is free
+        assert migrating.execute("SHOW lock_timeout").fetchone() == ("7s",)
+        assert _advisory_locks(conn, migrating.info.backend_pid) == 0
+    blocker.rollback()
+    blocker.close()
+    assert applied_versions(conn) == ALL_VERSIONS
+    assert migrate(conn, migrations=UPGRADE) == TEST_VERSIONS
+    assert upgraded(conn)
+
+
+def test_each_migration_is_all_or_nothing_and_a_failure_is_one_clear_error(
+    dsn: str, conn: Conn
+) -> None:
+    broken = Migration(
+        9001,
+        "broken",
+        "ALTER TABLE {schema}.pgqueue_jobs ADD COLUMN half_done text;\nSELECT no_such_function();",
+    )
+    with pytest.raises(MigrationError) as failure:
+        migrate(conn, migrations=[*available(), broken])
+    assert str(failure.value) == (
+        "migration 9001_broken failed: function no_such_function() does not exist"
+    )
+    assert applied_versions(conn) == ALL_VERSIONS
+    columns = conn.execute(
+        "SELECT 1 FROM information_schema.columns WHERE column_name = 'half_done'"
+    ).fetchall()
+    assert columns == []
+    assert _advisory_locks(conn, conn.info.backend_pid) == 0
+
+
+def test_an_interrupted_concurrent_index_build_is_dropped_and_built_again(
+    dsn: str, conn: Conn
+) -> None:
+    assert migrate(conn, migrations=[m for m in UPGRADE if m.version < 9002]) == [9001]
+    # A transaction that wrote to the table: a concurrent build waits for it to end.
+    writer = psycopg.connect(dsn)
+    writer.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
+    migrator = Migrator(dsn, UPGRADE, lock_timeout=0.2, timeout=120)
+    migrator.start()
+    pid = wait_until(lambda: backend_waiting(conn, "migrator", "virtualxid"), timeout=30)
+    assert index_state(conn) == (False, False)  # the catalog entry is committed, not built
+    # the run is killed (a deploy step cancelled, a node lost)
+    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    migrator.join(30)
+    assert isinstance(migrator.error, psycopg.OperationalError)
+    writer.rollback()
+    writer.close()
+    assert index_state(conn) == (False, False)  # what IF NOT EXISTS alone would keep
+    assert applied_versions(conn) == [*ALL_VERSIONS, 9001]
+
+    assert migrate(conn, migrations=UPGRADE) == [9002]
+    assert upgraded(conn)
+    names = conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE indexname LIKE 'pgqueue_jobs_upgrade%%'"
+    ).fetchall()
+    assert names == [("pgqueue_jobs_upgrade_probe_idx",)]
+
+
+def _waits_for_the_migration_lock(conn: Conn, application: str) -> bool:
+    """The session has asked for the migration lock (and been refused) without holding it."""
+    row = conn.execute(
+        "SELECT a.query LIKE '%%pg_try_advisory_lock%%', count(l.pid)"
+        " FROM pg_stat_activity a"
+        " LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory'"
+        " WHERE a.application_name = %s GROUP BY a.query",
+        (application,),
+    ).fetchone()
+    return row == (True, 0)
+
+
+def test_a_second_migrator_waits_for_the_first_and_finds_nothing_left(dsn: str, conn: Conn) -> None:
+    blocker = psycopg.connect(dsn)
+    blocker.execute("SELECT count(*) FROM pgqueue_jobs")
+    first = Migrator(dsn, UPGRADE, "migrator-1", lock_timeout=0.2, timeout=120)
+    second = Migrator(dsn, UPGRADE, "migrator-2", lock_timeout=0.2, timeout=120)
+    try:
+        first.start()
+        wait_until(lambda: backend_waiting(conn, "migrator-1", "relation"))
+        second.start()
+        wait_until(lambda: _waits_for_the_migration_lock(conn, "migrator-2"))
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert first.finish() == TEST_VERSIONS
+    assert second.finish() == []
+    assert applied_versions(conn) == [*ALL_VERSIONS, *TEST_VERSIONS]
+
+
+@pytest.mark.parametrize("schema", ["public", "jobs_y"])  # keys of either sign
+def test_a_migrator_kept_waiting_by_another_names_it(empty_dsn: str, schema: str) -> None:
+    with (
+        psycopg.connect(empty_dsn, autocommit=True, application_name="other-migrator") as other,
+        psycopg.connect(empty_dsn, autocommit=True) as conn,
+    ):
+        other.execute(
+            "SELECT pg_advisory_lock(hashtextextended('pgqueue.migrate:' || %s, 0))", (schema,)
+        )
+        with pytest.raises(MigrationError) as failure:
+            migrate(conn, schema, timeout=0.5)
+        message = str(failure.value)
+        assert message.startswith(
+            f"another migration of schema {schema!r} held the migration lock for all of 0.5 s"
+        ), message
+        assert f"held by pid {other.info.backend_pid} (idle, connected for " in message
+        assert "application 'other-migrator'" in message
+        assert applied_versions(conn, schema) == []
+        other.execute(
+            "SELECT pg_advisory_unlock(hashtextextended('pgqueue.migrate:' || %s, 0))", (schema,)
+        )
+        assert migrate(conn, schema) == ALL_VERSIONS
+
+
+def test_migrate_hands_a_connection_back_as_it_came(empty_dsn: str) -> None:
+    with psycopg.connect(empty_dsn) as conn:  # not autocommit
+        assert migrate(conn) == ALL_VERSIONS
+        assert conn.autocommit is False
+        assert _status(conn) == psycopg.pq.TransactionStatus.IDLE
+        conn.execute("SELECT 1")  # now inside a transaction: migrating would commit it
+        with pytest.raises(ConfigurationError, match="not inside a transaction"):
+            migrate(conn)
+        assert _status(conn) == psycopg.pq.TransactionStatus.INTRANS
+
+
+def _status(conn: Conn) -> psycopg.pq.TransactionStatus:
+    return conn.info.transaction_status
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("lock_timeout", 0), ("lock_timeout", -1), ("timeout", float("nan")), ("timeout", True)],
+)
+def test_timeouts_must_be_positive_numbers_of_seconds(
+    conn: Conn, option: str, value: float
+) -> None:
+    options: dict[str, Any] = {option: value}
+    with pytest.raises(ConfigurationError, match=f"{option} must be a positive number of seconds"):
+        migrate(conn, **options)
+
+
+def test_two_migrations_with_one_number_are_refused(conn: Conn) -> None:
+    with pytest.raises(MigrationError, match="two migrations are numbered 0004"):
+        migrate(conn, migrations=[*available(), Migration(4, "again", "SELECT 1;")])

@@ -50,6 +50,7 @@ def parameters(func: Callable[..., Any]) -> set[str]:
         ("Per job", [Task.configure, pgqueue.App.enqueue]),
         ("Schedules", [pgqueue.App.periodic, pgqueue.App.schedule]),
         ("Workers", [Worker.__init__]),
+        ("Migrations", [pgqueue.App.migrate]),
     ],
 )
 def test_every_parameter_is_documented_and_nothing_else(
