@@ -137,11 +137,15 @@ WHERE status IN ('queued', 'retrying') AND run_at > now() {queue_filter}
 -- per ack, seen at 20-30 ms instead of 2). With only the primary key usable, each element is one
 -- index probe whatever the statistics say.
 -- The completer sends ids in ascending order, as every multi-row write does, so two writers
--- that must wait for each other's rows lock them in the same order and cannot deadlock. Its
--- connection has a short lock_timeout: a row locked by someone else (an operator's SELECT ...
--- FOR UPDATE) fails the statement instead of stalling every ack behind it, and the completer
--- then writes the batch as complete_jobs_skip_locked (this statement with {lock_filter}), which
--- skips rows locked right now; those acks are tried again a little later.
+-- that must wait for each other's rows lock them in the same order and cannot deadlock.
+-- No row lock is waited for longer than %(lock_timeout)s (100 ms for the completer, the lease
+-- for a handler's own transaction): a row locked by someone else (an operator's SELECT ... FOR
+-- UPDATE) then fails the statement instead of stalling every ack behind it, and the completer
+-- writes the batch again as complete_jobs_skip_locked (this statement with {lock_filter}), which
+-- skips rows locked right now; those acks are tried again a little later. The timeout is set by
+-- set_config(..., true) inside the statement, which lasts until its transaction ends: no session
+-- state, so it is safe behind a transaction-pooling PgBouncer. The scalar subquery is evaluated
+-- once, at the first candidate row, before any row is locked.
 UPDATE {schema}.pgqueue_jobs j
 SET status = a.status::{schema}.pgqueue_status,
     run_at = CASE WHEN a.status = 'retrying'
@@ -155,7 +159,8 @@ SET status = a.status::{schema}.pgqueue_status,
 FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delays)b::float8[],
             %(errors)b::text[], %(results)b::text[], %(run_seconds)b::float8[])
      AS a(id, token, status, delay, error, result, run_seconds)
-WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running' {lock_filter}
+WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running'
+  AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL {lock_filter}
 RETURNING j.id
 
 -- name: applied_completions

@@ -213,7 +213,7 @@ def reaper_race(run: Run) -> None:
         return token
 
     def ack(job_id: int, token: uuid.UUID) -> list[Any]:
-        params = {"ids": [job_id], "tokens": [token], "statuses": ["succeeded"],
+        params = {"lock_timeout": "100ms", "ids": [job_id], "tokens": [token], "statuses": ["succeeded"],
                   "delays": [0.0], "errors": [None], "results": [None], "run_seconds": [0.0]}  # fmt: skip
         return run.db.execute(q.complete_jobs, params).fetchall()
 

@@ -222,8 +222,9 @@ def test_acks_heartbeats_reaps_and_releases_never_deadlock(
 
     extend = {"worker_id": worker, "host": "h", "pid": 1, "queues": None, "concurrency": 1,
               "stale_writes": 0, "lease": 30.0, "ids": ids[::-1], "tokens": [token] * 60}  # fmt: skip
+    # Acks that wait as long as it takes: this is about deadlocks, not the completer's bound.
     acks: dict[str, Any] = {
-        "ids": ids, "tokens": [token] * 60, "statuses": ["retrying"] * 60,
+        "lock_timeout": "60s", "ids": ids, "tokens": [token] * 60, "statuses": ["retrying"] * 60,
         "delays": [0.0] * 60, "errors": ["e"] * 60, "results": [None] * 60,
         "run_seconds": [0.0] * 60,
     }  # fmt: skip

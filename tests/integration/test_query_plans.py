@@ -123,6 +123,7 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
         "complete_jobs": (
             q.complete_jobs,
             {
+                "lock_timeout": "100ms",
                 "ids": ids,
                 "tokens": tokens,
                 "statuses": ["succeeded"] * n,

@@ -45,6 +45,7 @@ def complete(app: pgqueue.App, conn: Conn, job_id: int, token: uuid.UUID) -> lis
     return conn.execute(
         app.q.complete_jobs,
         {
+            "lock_timeout": "100ms",
             "ids": [job_id],
             "tokens": [token],
             "statuses": ["succeeded"],

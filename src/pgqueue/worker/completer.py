@@ -8,8 +8,9 @@ at once. What can go wrong with a batch, and what it costs:
   the jobs and the late write is fenced out). A write that failed may still have committed (the
   connection died after COMMIT reached the server), so the retry also asks which of its acks are
   already in (``applied_completions``) rather than reporting our own results as stale.
-- **A row is locked by someone else** (an operator's ``SELECT ... FOR UPDATE``). The completer's
-  connection has a short ``lock_timeout``; when it runs out, the batch is written again with
+- **A row is locked by someone else** (an operator's ``SELECT ... FOR UPDATE``). An ack waits
+  for a row lock at most ``ACK_LOCK_TIMEOUT`` (``complete_jobs`` sets ``lock_timeout`` for its
+  own transaction); then the batch is written again with
   ``complete_jobs_skip_locked``, which skips rows locked right now, and the skipped acks wait
   aside and are tried again a little later, alone. One locked row costs that row.
 - **The database refuses the statement** (a value it cannot store, a trigger of yours that
@@ -39,8 +40,6 @@ from .state import round_failed
 
 log = logging.getLogger("pgqueue.worker.completer")
 
-#: The completer's connections wait at most this long for a row lock (see the module docstring).
-LOCK_TIMEOUT_MS = 100
 #: First pause before an ack whose row was locked is tried again; it doubles up to the maximum.
 BUSY_RETRY = 0.2
 BUSY_RETRY_MAX = 5.0

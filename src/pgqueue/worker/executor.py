@@ -68,7 +68,14 @@ class Outcome:
     replaces: bool = False
 
 
-def ack_params(batch: list[Outcome], *, packed: bool = False) -> dict[str, Any]:
+#: How long an ack waits for a job's row lock before the completer writes around it (see
+#: complete_jobs), in PostgreSQL's notation.
+ACK_LOCK_TIMEOUT = "100ms"
+
+
+def ack_params(
+    batch: list[Outcome], *, packed: bool = False, lock_timeout: str = ACK_LOCK_TIMEOUT
+) -> dict[str, Any]:
     """``complete_jobs``'s parameters: one array per column, one element per job. ``packed``:
     pre-packed where ``arrays`` can (only on connections that ``arrays.register`` set up)."""
     ids = [o.job_id for o in batch]
@@ -80,6 +87,7 @@ def ack_params(batch: list[Outcome], *, packed: bool = False) -> dict[str, Any]:
     run_seconds = [o.run_seconds for o in batch]
     if not packed:
         return {
+            "lock_timeout": lock_timeout,
             "ids": ids,
             "tokens": tokens,
             "statuses": [s.value for s in statuses],
@@ -89,6 +97,7 @@ def ack_params(batch: list[Outcome], *, packed: bool = False) -> dict[str, Any]:
             "run_seconds": run_seconds,
         }
     return {
+        "lock_timeout": lock_timeout,
         "ids": arrays.int8_array(ids),
         "tokens": arrays.uuid_array(tokens),
         "statuses": arrays.status_array(statuses),
@@ -323,7 +332,10 @@ class Executor:
         def ack(result: Any) -> dict[str, Any]:
             text = encode_result(result)  # raises (rolling the transaction back) if unstorable
             on_ack()
-            return ack_params([self._outcome(job, started, Status.SUCCEEDED, None, None, text)])
+            return ack_params(
+                [self._outcome(job, started, Status.SUCCEEDED, None, None, text)],
+                lock_timeout=self.transactions.lock_timeout,
+            )
 
         if task.is_async:
 

@@ -42,9 +42,6 @@ log = logging.getLogger("pgqueue.worker.heartbeat")
 # Jobs whose lease can be lost before anything was written: prefetched or running.
 _WAITING_OR_RUNNING = (Phase.PREFETCHED, Phase.RUNNING)
 
-#: The heartbeat's connection never waits longer than this for a lock (its statement only
-#: writes the worker's own row, which nothing else holds for long).
-LOCK_TIMEOUT_MS = 1000
 #: Seconds between looks for jobs held in the database but not tracked (see the docstring).
 UNTRACKED_EVERY = 60.0
 
@@ -87,9 +84,7 @@ class Heartbeat:
         # the connection the first stored would be dropped unclosed.
         async with self._connecting:
             if self.conn is None or self.conn.closed or self.conn.broken:
-                conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
-                await conn.execute(f"SET lock_timeout = {LOCK_TIMEOUT_MS}")
-                self.conn = conn
+                self.conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
             return self.conn
 
     def extended(self, sent_at: float) -> None:

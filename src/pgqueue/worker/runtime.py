@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from .. import db, stats
 from ..errors import ConfigurationError, PgQueueError
-from .completer import LOCK_TIMEOUT_MS, Completer
+from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .heartbeat import Heartbeat
@@ -188,11 +188,7 @@ class Worker:
         )
         await pool.open()
         self.pool = pool
-
-        async def bound_lock_waits(conn: psycopg.AsyncConnection[Any]) -> None:
-            await conn.execute(f"SET lock_timeout = {LOCK_TIMEOUT_MS}")
-
-        # The acks' own connection: a short lock_timeout on it, and never behind a claim.
+        # The acks' own connection: never behind a claim or a reaper round.
         ack_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             dsn,
             min_size=1,
@@ -201,7 +197,6 @@ class Worker:
             timeout=10,
             name="pgqueue-worker-acks",
             kwargs=connect_kwargs("acks"),
-            configure=bound_lock_waits,
         )
         await ack_pool.open()
         # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it

@@ -13,9 +13,9 @@ one handler left on its session never reaches the next job that gets the connect
 
 Any isolation level works: nothing writes a running job's row between its claim and its ack (the
 worker's lease is one row of its own, see ``heartbeat``), so the ack of a REPEATABLE READ or
-SERIALIZABLE transaction conflicts with nothing of the worker's. Before the ack the transaction
-bounds its lock waits by the lease (``SET LOCAL lock_timeout``): if someone else holds the job's
-row that long, the attempt fails and is retried instead of waiting without end.
+SERIALIZABLE transaction conflicts with nothing of the worker's. The ack waits for the job's
+row lock no longer than the lease (``lock_timeout`` in ``complete_jobs``): if someone else holds
+the row that long, the attempt fails and is retried instead of waiting without end.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class Transactions:
         self.q = q
         self.size = size
         self.kwargs = {**connect_kwargs, "autocommit": False}
-        self.bound_locks = f"SET LOCAL lock_timeout = {max(int(lock_timeout * 1000), 1)}"
+        #: How long a handler's ack waits for its row lock, in PostgreSQL's notation.
+        self.lock_timeout = f"{max(int(lock_timeout * 1000), 1)}ms"
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()
@@ -113,9 +114,7 @@ class Transactions:
             try:
                 async with conn.transaction():
                     result = await call(conn)
-                    params = ack(result)
-                    await conn.execute(self.bound_locks)
-                    cur = await conn.execute(self.q.complete_jobs, params)
+                    cur = await conn.execute(self.q.complete_jobs, ack(result))
                     if not await cur.fetchall():
                         raise psycopg.Rollback()  # the lease is gone: none of it may stay
                     acked = True
@@ -136,9 +135,7 @@ class Transactions:
             try:
                 with conn.transaction():
                     result = call(conn)
-                    params = ack(result)
-                    conn.execute(self.bound_locks)
-                    if not conn.execute(self.q.complete_jobs, params).fetchall():
+                    if not conn.execute(self.q.complete_jobs, ack(result)).fetchall():
                         raise psycopg.Rollback()
                     acked = True
             except (psycopg.OperationalError, OSError) as exc:
