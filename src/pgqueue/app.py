@@ -288,7 +288,12 @@ class App:
         allow_unknown: bool = False,
     ) -> int:
         """Queue one job and return its id. With ``connection``, the job exists only if that
-        connection's transaction commits."""
+        connection's transaction commits.
+
+        Raises InvalidJobError (nothing written) for a bad job, and DatabaseUnavailableError
+        when PostgreSQL cannot be reached or the connection is lost during the INSERT (the
+        message then says the job may or may not have been written; it is never sent twice).
+        """
         row = self._row(
             task,
             args,
@@ -316,6 +321,7 @@ class App:
         connection: psycopg.AsyncConnection[Any] | None = None,
         allow_unknown: bool = False,
     ) -> int:
+        """``enqueue`` for async code, on this event loop's connections."""
         row = self._row(
             task,
             args,

@@ -24,7 +24,8 @@ class UnknownTaskError(PgQueueError, LookupError):
 
 
 class DatabaseUnavailableError(PgQueueError):
-    """PostgreSQL could not be reached; the message says where and why."""
+    """PostgreSQL could not be reached, or the connection was lost during a call; the message
+    says where and why, and for a lost write that it may or may not have been applied."""
 
 
 class Retry(Exception):
