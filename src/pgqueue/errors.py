@@ -36,13 +36,16 @@ class Retry(Exception):
     """
 
     def __init__(self, after: float | timedelta = 0, reason: str = "") -> None:
-        seconds = after.total_seconds() if isinstance(after, timedelta) else float(after)
+        try:
+            seconds = after.total_seconds() if isinstance(after, timedelta) else float(after)
+        except OverflowError:  # an int beyond float's range
+            seconds = float("inf")
         # Checked here, where the handler raises it, so a bad delay fails that attempt with
         # this message instead of reaching the ack as a timestamp PostgreSQL cannot store.
         if not 0 <= seconds <= MAX_DELAY_SECONDS:  # also false for NaN
             raise ValueError(
                 "Retry(after=...) must be between 0 and "
-                f"{MAX_DELAY_SECONDS:,.0f} seconds (100 years), got {after!r}"
+                f"{MAX_DELAY_SECONDS:,.0f} seconds (100 years), got {seconds:g}"
             )
         self.after = seconds
         self.reason = reason

@@ -228,15 +228,24 @@ def check_delay(
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise InvalidJobError(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
-    if not math.isfinite(seconds) or seconds < 0:
+    # Compared, not converted: an int too big for a float is still just too long.
+    if seconds < 0 or (isinstance(seconds, float) and not math.isfinite(seconds)):
         raise InvalidJobError(
-            f"delay must be a finite, non-negative number of seconds, got {delay!r}"
+            f"delay must be a finite, non-negative number of seconds, got {_shown(seconds)}"
         )
     if seconds > MAX_DELAY_SECONDS:
         raise InvalidJobError(
-            f"delay must be at most {MAX_DELAY_SECONDS:,.0f} seconds (100 years), got {seconds:g}"
+            f"delay must be at most {MAX_DELAY_SECONDS:,.0f} seconds (100 years), "
+            f"got {_shown(seconds)}"
         )
     return float(seconds), None
+
+
+def _shown(seconds: float) -> str:
+    try:
+        return f"{seconds:g}"
+    except OverflowError:  # an int beyond float's range
+        return "more than 1e+308" if seconds > 0 else "less than -1e+308"
 
 
 def check_int(name: str, value: object, minimum: int) -> int:

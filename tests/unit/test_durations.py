@@ -14,7 +14,7 @@ from pgqueue import Backoff, ConfigurationError, Retry
 from pgqueue.jobs import MAX_DELAY_SECONDS
 
 NOWHERE = "postgresql://nobody@127.0.0.1:1/never"
-TOO_LONG = [float("inf"), float("nan"), 1e300, MAX_DELAY_SECONDS * 1.01]
+TOO_LONG = [float("inf"), float("nan"), 1e300, MAX_DELAY_SECONDS * 1.01, 10**400]
 
 
 def test_max_delay_is_a_hundred_years() -> None:

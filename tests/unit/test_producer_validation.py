@@ -194,6 +194,8 @@ def test_bad_queue_in_task_declaration_or_app_default_is_refused() -> None:
         (3e11, "delay must be at most"),  # the year 11533, which readers could not read back
         (MAX_DELAY_SECONDS + 1, "delay must be at most"),
         (timedelta.max, "delay must be at most"),
+        (10**400, "delay must be at most .* got more than 1e\\+308"),  # beyond float's range
+        (-(10**400), "non-negative .* got less than -1e\\+308"),
     ],
 )
 def test_bad_delays_are_refused(app: pgqueue.App, delay: Any, message: str) -> None:
