@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -11,9 +11,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-from . import db, producer, schedules
+from . import db, pools, producer, schedules
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
 from .jobs import Job
@@ -60,16 +59,18 @@ class App:
         #: Owns the schedules this app declares; see docs/concepts/schedules.md.
         self.name = schedules.check_app_name(name)
         self.schema = db.validate_schema(schema)
-        self.default_queue = producer.check_name("queue", default_queue, producer.MAX_QUEUE_LENGTH)
+        self.default_queue = _declared(
+            producer.check_name, "queue", default_queue, producer.MAX_QUEUE_LENGTH
+        )
         if max_payload_bytes <= 0:
             raise ConfigurationError("max_payload_bytes must be positive")
         self.max_payload_bytes = max_payload_bytes
         self.backoff = backoff or Backoff()
         self.tasks: dict[str, Task[Any, Any]] = {}
         self.q: Queries = queries(self.schema)
-        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._pool: pools.Pool | None = None
         self._pool_lock = threading.Lock()
-        self._async_pools: dict[int, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
+        self._loop_pools = pools.LoopPools(self._connection_settings)
         self.periodic_schedules: dict[str, Schedule] = {}
         self.retired_schedules: set[str] = set()
 
@@ -81,7 +82,7 @@ class App:
 
     @dsn.setter
     def dsn(self, value: str) -> None:
-        if self._pool is not None or self._async_pools:
+        if self._pool is not None or self._loop_pools:
             raise ConfigurationError("set the DSN before the app first talks to the database")
         self._dsn = db.resolve_dsn(value)
 
@@ -118,7 +119,9 @@ class App:
         its thread pool. The task name defaults to the function's name."""
 
         def register(fn: Callable[P, R]) -> Task[P, R]:
-            task_name = producer.check_name("task", name or fn.__name__, producer.MAX_TASK_LENGTH)
+            task_name = _declared(
+                producer.check_name, "task", name or fn.__name__, producer.MAX_TASK_LENGTH
+            )
             existing = self.tasks.get(task_name)
             if existing is not None and existing.func is not fn:
                 raise ConfigurationError(
@@ -128,11 +131,14 @@ class App:
             if timeout is not None and not timeout > 0:
                 raise ConfigurationError("timeout must be a positive number of seconds")
             options = TaskOptions(
-                queue=producer.check_name(
-                    "queue", queue or self.default_queue, producer.MAX_QUEUE_LENGTH
+                queue=_declared(
+                    producer.check_name,
+                    "queue",
+                    queue if queue is not None else self.default_queue,
+                    producer.MAX_QUEUE_LENGTH,
                 ),
-                priority=producer.check_int("priority", priority, -(2**31 - 1)),
-                max_attempts=producer.check_int("max_attempts", max_attempts, 1),
+                priority=_declared(producer.check_int, "priority", priority, -(2**31 - 1)),
+                max_attempts=_declared(producer.check_int, "max_attempts", max_attempts, 1),
             )
             task = Task(self, fn, name=task_name, options=options, timeout=timeout, backoff=backoff)
             self.tasks[task_name] = task
@@ -204,63 +210,55 @@ class App:
         with self.connection() as conn:
             return schedules.prune(conn, self, dry_run=dry_run)
 
-    # --- pools ----------------------------------------------------------------------------
+    # --- connections ----------------------------------------------------------------------
 
     @property
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for every connection pgqueue opens for this app."""
         return {} if self.prepared_statements else {"prepare_threshold": None}
 
-    def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
-        with self._pool_lock:
-            if self._pool is None:
-                dsn = self.dsn
-                db.connect(dsn).close()  # a clear error now beats a pool timeout later
-                pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
-                    dsn,
-                    min_size=1,
-                    max_size=8,
-                    kwargs={"autocommit": True, **self.connect_options},
-                    open=False,
-                    timeout=10,
-                    name="pgqueue-producer",
-                )
-                pool.open()
-                self._pool = pool
-            return self._pool
+    def _connection_settings(self) -> tuple[str, dict[str, Any]]:
+        dsn = self.dsn
+        return dsn, pools.connect_kwargs(dsn, self.connect_options)
 
-    async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
-        loop_id = id(asyncio.get_running_loop())
-        pool = self._async_pools.get(loop_id)
+    def _sync_pool(self) -> pools.Pool:
+        pool = self._pool
         if pool is None:
-            dsn = self.dsn
-            await (await db.connect_async(dsn)).close()
-            pool = AsyncConnectionPool(
-                dsn,
-                min_size=1,
-                max_size=8,
-                kwargs={"autocommit": True, **self.connect_options},
-                open=False,
-                timeout=10,
-                name="pgqueue-producer-async",
-            )
-            await pool.open()
-            self._async_pools[loop_id] = pool
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = pools.Pool(*self._connection_settings())
+                pool = self._pool
         return pool
 
+    async def _async_pool(self) -> pools.AsyncPool:
+        """This event loop's pool (see ``pgqueue.pools`` for why one per loop, and how it is
+        closed when the loop ends)."""
+        return await self._loop_pools.get()
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Close every producer connection of this app, sync and async (those in use as they
+        are given back). The app stays usable: the next call connects again."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+        self._loop_pools.close()
 
     async def aclose(self) -> None:
-        pool = self._async_pools.pop(id(asyncio.get_running_loop()), None)
-        if pool is not None:
-            await pool.close()
+        """``close()`` for async code (closing never waits on the network)."""
+        self.close()
 
-    def connection(self) -> Any:
-        """A pooled sync connection (autocommit), as a context manager."""
-        return self._sync_pool().connection()
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled sync connection (autocommit), as a context manager. Getting one raises
+        DatabaseUnavailableError when PostgreSQL cannot be reached; errors of your statements
+        on it are psycopg's own."""
+        pool = self._sync_pool()
+        conn = pool.take()
+        try:
+            yield conn
+        finally:
+            pool.give_back(conn)
 
     # --- producing ------------------------------------------------------------------------
 
@@ -306,7 +304,12 @@ class App:
         allow_unknown: bool = False,
     ) -> int:
         """Queue one job and return its id. With ``connection``, the job exists only if that
-        connection's transaction commits."""
+        connection's transaction commits.
+
+        Raises InvalidJobError (nothing written) for a bad job, and DatabaseUnavailableError
+        when PostgreSQL cannot be reached or the connection is lost during the INSERT (the
+        message then says the job may or may not have been written; it is never sent twice).
+        """
         row = self._row(
             task,
             args,
@@ -319,11 +322,7 @@ class App:
         )
         if connection is not None:
             return producer.insert(connection, self.q, row)
-        try:
-            with self._sync_pool().connection() as conn:
-                return producer.insert(conn, self.q, row)
-        except PoolTimeout as exc:
-            raise db.unavailable(self.dsn, exc) from None
+        return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
 
     async def enqueue_async(
         self,
@@ -338,6 +337,7 @@ class App:
         connection: psycopg.AsyncConnection[Any] | None = None,
         allow_unknown: bool = False,
     ) -> int:
+        """``enqueue`` for async code, on this event loop's connections."""
         row = self._row(
             task,
             args,
@@ -350,11 +350,8 @@ class App:
         )
         if connection is not None:
             return await producer.insert_async(connection, self.q, row)
-        try:
-            async with (await self._async_pool()).connection() as conn:
-                return await producer.insert_async(conn, self.q, row)
-        except PoolTimeout as exc:
-            raise db.unavailable(self.dsn, exc) from None
+        pool = await self._async_pool()
+        return await pool.run(lambda conn: producer.insert_async(conn, self.q, row))
 
     def _row_chunks(
         self, jobs: Iterable[JobSpec], allow_unknown: bool
@@ -445,8 +442,7 @@ class App:
             return 0
         if connection is not None:
             return producer.copy_rows(connection, self.q, chunks)
-        with self._sync_pool().connection() as conn:
-            return producer.copy_rows(conn, self.q, chunks)
+        return self._sync_pool().run(lambda conn: producer.copy_rows(conn, self.q, chunks))
 
     async def enqueue_many_async(
         self,
@@ -460,29 +456,33 @@ class App:
             return 0
         if connection is not None:
             return await producer.copy_rows_async(connection, self.q, chunks)
-        async with (await self._async_pool()).connection() as conn:
-            return await producer.copy_rows_async(conn, self.q, chunks)
+        pool = await self._async_pool()
+        return await pool.run(lambda conn: producer.copy_rows_async(conn, self.q, chunks))
 
     # --- inspecting and steering jobs -----------------------------------------------------
 
     def get_job(self, job_id: int) -> Job | None:
-        with self._sync_pool().connection() as conn:
-            row = conn.execute(self.q.get_job, {"id": job_id}).fetchone()
+        row = self._sync_pool().run(
+            lambda conn: conn.execute(self.q.get_job, {"id": job_id}).fetchone(), read_only=True
+        )
         return Job.from_row(row) if row else None
 
     def requeue(self, job_id: int) -> bool:
         """Run a dead or cancelled job again, with a fresh set of attempts."""
-        with self._sync_pool().connection() as conn:
-            return conn.execute(self.q.requeue_job, {"id": job_id}).fetchone() is not None
+        return self._sync_pool().run(
+            lambda conn: conn.execute(self.q.requeue_job, {"id": job_id}).fetchone() is not None
+        )
 
     def cancel(self, job_id: int) -> bool:
         """Cancel a job that is not running yet (queued or waiting to retry)."""
-        with self._sync_pool().connection() as conn:
-            return conn.execute(self.q.cancel_job, {"id": job_id}).fetchone() is not None
+        return self._sync_pool().run(
+            lambda conn: conn.execute(self.q.cancel_job, {"id": job_id}).fetchone() is not None
+        )
 
     def status_counts(self) -> list[tuple[str, str, int]]:
-        with self._sync_pool().connection() as conn:
-            rows = conn.execute(self.q.status_counts).fetchall()
+        rows = self._sync_pool().run(
+            lambda conn: conn.execute(self.q.status_counts).fetchall(), read_only=True
+        )
         return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]
 
     def migrate(
@@ -506,3 +506,11 @@ class App:
     def run_worker(self, **options: Any) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT (see ``Worker`` for options)."""
         self.worker(**options).run_sync()
+
+
+def _declared(check: Callable[..., R], *args: Any) -> R:
+    """A declaration's check: the same rule as at enqueue, refused as a ConfigurationError."""
+    try:
+        return check(*args)
+    except InvalidJobError as exc:
+        raise ConfigurationError(str(exc)) from None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .jobs import MAX_DELAY_SECONDS
+
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
@@ -22,6 +24,11 @@ class Backoff:
     def __post_init__(self) -> None:
         if not (self.base > 0 and self.cap >= self.base):
             raise ValueError("backoff needs base > 0 and cap >= base")
+        if not self.cap <= MAX_DELAY_SECONDS:  # also refuses infinity and NaN
+            raise ValueError(
+                f"backoff cap must be at most {MAX_DELAY_SECONDS:,.0f} seconds (100 years), "
+                f"got {self.cap!r}"
+            )
 
     def ceiling(self, attempt: int) -> float:
         """The largest delay after failed attempt number ``attempt`` (1-based)."""

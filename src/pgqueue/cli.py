@@ -22,9 +22,12 @@ from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
+from .producer import MAX_NESTING
 from .schedules_cli import schedules_command
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: Job ids are bigint: a bigger number is a typing mistake, not a job that does not exist.
+JOB_ID = click.IntRange(1, 2**63 - 1)
 
 
 def friendly_errors(func: F) -> F:
@@ -46,6 +49,10 @@ def friendly_errors(func: F) -> F:
         except psycopg.OperationalError as exc:
             click.echo(f"error: database error: {str(exc).strip().splitlines()[-1]}", err=True)
             sys.exit(2)
+        except psycopg.Error as exc:  # e.g. a row written by an older pgqueue that reads badly
+            first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+            click.echo(f"error: database error: {first[0]}", err=True)
+            sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
 
@@ -160,8 +167,12 @@ def enqueue(
     """Queue a job for TASK and print its id."""
     try:
         args = json.loads(args_json)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer with too many digits
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--args") from None
+    except RecursionError:
+        raise click.BadParameter(
+            f"nested too deeply (the limit is {MAX_NESTING} levels)", param_hint="--args"
+        ) from None
     app = make_app(dsn, schema, app_spec)
     job_id = app.enqueue(
         task,
@@ -176,7 +187,7 @@ def enqueue(
 
 
 @main.command()
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @db_options
 @friendly_errors
 def requeue(job_id: int, dsn: str | None, schema: str) -> None:
@@ -188,7 +199,7 @@ def requeue(job_id: int, dsn: str | None, schema: str) -> None:
 
 
 @main.command()
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @db_options
 @friendly_errors
 def cancel(job_id: int, dsn: str | None, schema: str) -> None:
@@ -200,7 +211,7 @@ def cancel(job_id: int, dsn: str | None, schema: str) -> None:
 
 
 @main.command()
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
 @db_options
 @friendly_errors
@@ -294,7 +305,7 @@ def worker(
     )
     app = make_app(dsn, schema, app_spec)
     app.run_worker(
-        queues=queues.split(",") if queues else None,
+        queues=[name.strip() for name in queues.split(",") if name.strip()] if queues else None,
         concurrency=concurrency,
         prefetch=prefetch,
         lease=lease,

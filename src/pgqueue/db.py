@@ -81,6 +81,17 @@ def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailableError:
     )
 
 
+def lost(dsn: str, exc: BaseException, *, read_only: bool = False) -> DatabaseUnavailableError:
+    """One sentence for a connection lost during a statement. A write's fate is then unknown:
+    the server may have committed it before the connection went."""
+    lines = str(exc).strip().splitlines()
+    reason = lines[0].rsplit(" failed: ", 1)[-1] if lines else type(exc).__name__
+    outcome = "" if read_only else "; the write may or may not have been applied"
+    return DatabaseUnavailableError(
+        f"lost the connection to PostgreSQL at {describe_dsn(dsn)}: {reason}{outcome}"
+    )
+
+
 def connect(dsn: str, *, autocommit: bool = True, **kwargs: object) -> psycopg.Connection[object]:
     """A sync connection, with connection failures turned into DatabaseUnavailableError."""
     try:

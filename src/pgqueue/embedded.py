@@ -116,6 +116,11 @@ class EmbeddedPostgres:
             "--locale=C",
             "--no-sync",
         )
+        self.start_server()
+        return self
+
+    def start_server(self) -> None:
+        """Start the server of an initialised cluster (again, after ``stop_server``)."""
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.tmp} "
             "-c max_connections=300 -c shared_buffers=128MB -c fsync=on "
@@ -135,7 +140,10 @@ class EmbeddedPostgres:
             "start",
         )
         self.started = True
-        return self
+
+    def stop_server(self, mode: str = "fast") -> None:
+        """Stop the server and keep its data, as an outage would (``immediate``: a crash)."""
+        self._run("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "stop")
 
     def restart(self, mode: str = "fast") -> None:
         """Restart in place (``immediate`` simulates a crash)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from .jobs import MAX_DELAY_SECONDS
+
 
 class PgQueueError(Exception):
     """Base class of every error pgqueue raises."""
@@ -22,7 +24,8 @@ class UnknownTaskError(PgQueueError, LookupError):
 
 
 class DatabaseUnavailableError(PgQueueError):
-    """PostgreSQL could not be reached; the message says where and why."""
+    """PostgreSQL could not be reached, or the connection was lost during a call; the message
+    says where and why, and for a lost write that it may or may not have been applied."""
 
 
 class Retry(Exception):
@@ -33,9 +36,17 @@ class Retry(Exception):
     """
 
     def __init__(self, after: float | timedelta = 0, reason: str = "") -> None:
-        seconds = after.total_seconds() if isinstance(after, timedelta) else float(after)
-        if seconds < 0 or seconds != seconds:
-            raise ValueError("Retry(after=...) must be a non-negative number of seconds")
+        try:
+            seconds = after.total_seconds() if isinstance(after, timedelta) else float(after)
+        except OverflowError:  # an int beyond float's range
+            seconds = float("inf")
+        # Checked here, where the handler raises it, so a bad delay fails that attempt with
+        # this message instead of reaching the ack as a timestamp PostgreSQL cannot store.
+        if not 0 <= seconds <= MAX_DELAY_SECONDS:  # also false for NaN
+            raise ValueError(
+                "Retry(after=...) must be between 0 and "
+                f"{MAX_DELAY_SECONDS:,.0f} seconds (100 years), got {seconds:g}"
+            )
         self.after = seconds
         self.reason = reason
         super().__init__(reason or f"retry requested after {seconds:g} s")

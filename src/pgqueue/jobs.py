@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
+
+#: The longest wait pgqueue accepts anywhere a wait is given in seconds: ``delay=``,
+#: ``Retry(after=)``, ``Backoff(cap=)`` and the worker's durations. 100 years: longer than any
+#: real schedule, so a bigger value is a unit mistake (milliseconds, a timestamp), and short
+#: enough that ``now() + delay`` stays a valid timestamp and every thread wait a valid timeout.
+MAX_DELAY_SECONDS = 100 * 365.25 * 86400.0
+
+#: The range of a job's ``run_at``. Every ``run_at`` read back must be a Python ``datetime``
+#: in any session TimeZone (offsets up to ±16 h), which PostgreSQL's far wider ``timestamptz``
+#: does not promise: these bounds keep it far inside years 1 to 9999, and refuse run_at values
+#: that can only be mistakes (a zero timestamp, a year typed wrong).
+EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_RUN_AT = datetime(3000, 1, 1, tzinfo=UTC)
 
 
 class Status(enum.StrEnum):
@@ -17,10 +30,6 @@ class Status(enum.StrEnum):
     DEAD = "dead"
     CANCELLED = "cancelled"
 
-
-#: The longest delay anything may put between now and a job's run_at (enqueue, Retry, backoff):
-#: a hundred years. Beyond it lie dates that PostgreSQL stores but Python cannot read back.
-MAX_DELAY_SECONDS = 100 * 365.25 * 86400.0
 
 READY = (Status.QUEUED, Status.RETRYING)
 FINISHED = (Status.SUCCEEDED, Status.DEAD, Status.CANCELLED)

@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 
 from .errors import InvalidJobError
+from .jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS
 from .sql import Queries
 
 MAX_QUEUE_LENGTH = 128
@@ -99,6 +100,13 @@ def _checked_name(kind: str, value: str, limit: int) -> str:
         raise InvalidJobError(f"{kind} name must not contain NUL (\\u0000)")
     if not _is_utf8(value):
         raise InvalidJobError(f"{kind} name contains a lone surrogate, which is not valid UTF-8")
+    if kind == "queue":
+        # `pgqueue worker --queues a,b` splits on commas and strips spaces: a queue whose name
+        # has either could be filled but never served.
+        if "," in value:
+            raise InvalidJobError(f"queue name {value!r} must not contain a comma")
+        if value != value.strip():
+            raise InvalidJobError(f"queue name {value!r} must not start or end with whitespace")
     return value
 
 
@@ -201,24 +209,43 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
 def check_delay(
     delay: float | timedelta | None, run_at: datetime | None
 ) -> tuple[float, datetime | None]:
+    """(delay in seconds, absolute run_at), each within the bounds in ``jobs``."""
     if delay is not None and run_at is not None:
         raise InvalidJobError("give delay or run_at, not both")
     if run_at is not None:
         if not isinstance(run_at, datetime):
             raise InvalidJobError("run_at must be a datetime")
-        if run_at.tzinfo is None:
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
             raise InvalidJobError("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        if not EARLIEST_RUN_AT <= run_at <= LATEST_RUN_AT:
+            raise InvalidJobError(
+                f"run_at must be between {EARLIEST_RUN_AT:%Y-%m-%d} and {LATEST_RUN_AT:%Y-%m-%d} "
+                f"(UTC), got {run_at.isoformat()}"
+            )
         return 0.0, run_at
     if delay is None:
         return 0.0, None
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise InvalidJobError(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
-    if not math.isfinite(seconds) or seconds < 0:
+    # Compared, not converted: an int too big for a float is still just too long.
+    if seconds < 0 or (isinstance(seconds, float) and not math.isfinite(seconds)):
         raise InvalidJobError(
-            f"delay must be a finite, non-negative number of seconds, got {delay!r}"
+            f"delay must be a finite, non-negative number of seconds, got {_shown(seconds)}"
+        )
+    if seconds > MAX_DELAY_SECONDS:
+        raise InvalidJobError(
+            f"delay must be at most {MAX_DELAY_SECONDS:,.0f} seconds (100 years), "
+            f"got {_shown(seconds)}"
         )
     return float(seconds), None
+
+
+def _shown(seconds: float) -> str:
+    try:
+        return f"{seconds:g}"
+    except OverflowError:  # an int beyond float's range
+        return "more than 1e+308" if seconds > 0 else "less than -1e+308"
 
 
 def check_int(name: str, value: object, minimum: int) -> int:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_origin, 
 
 import psycopg
 
+from . import producer
 from .backoff import Backoff
 from .context import JobContext
 from .errors import ConfigurationError, InvalidJobError
@@ -136,7 +137,15 @@ class Task(Generic[P, R]):
         run_at: datetime | None = None,
         connection: Connection | None = None,
     ) -> ConfiguredTask[P]:
-        """Per-call options; ``connection`` enqueues inside the caller's own transaction."""
+        """Per-call options; ``connection`` enqueues inside the caller's own transaction.
+        They are checked here, so a bad one is refused where it is written."""
+        producer.check_delay(delay, run_at)
+        if queue is not None:
+            producer.check_name("queue", queue, producer.MAX_QUEUE_LENGTH)
+        if priority is not None:
+            producer.check_int("priority", priority, -(2**31 - 1))
+        if max_attempts is not None:
+            producer.check_int("max_attempts", max_attempts, 1)
         changes: dict[str, Any] = {
             k: v
             for k, v in {

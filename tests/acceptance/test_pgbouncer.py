@@ -131,17 +131,20 @@ def test_transaction_pooling_needs_pgbouncers_prepared_statement_support(
     settings = {"max_prepared_statements": "200"} if supported else {}
     jobs = 40  # psycopg prepares a statement after a few executions on a connection
     with pgbouncer(dsn, "transaction", **settings) as through:
-        producer = pgqueue.App(through)
+        # Two producers, as two web processes would: each prepares the same statement names,
+        # on whichever server connection PgBouncer gives its transaction.
+        producers = [pgqueue.App(through), pgqueue.App(through)]
         try:
             if not supported:
                 with pytest.raises(psycopg.errors.ProgrammingError, match="prepared statement"):
-                    for _ in range(jobs):
-                        producer.enqueue("greet", {"name": "x"}, allow_unknown=True)
+                    for n in range(jobs):
+                        producers[n % 2].enqueue("greet", {"name": "x"}, allow_unknown=True)
                 return
-            for _ in range(jobs):
-                producer.enqueue("greet", {"name": "x"}, allow_unknown=True)
+            for n in range(jobs):
+                producers[n % 2].enqueue("greet", {"name": "x"}, allow_unknown=True)
         finally:
-            producer.close()
+            for producer in producers:
+                producer.close()
         with worker_process(through, "--no-listen", "--poll-interval", "0.2", app=APP):
             wait_until(lambda: succeeded(conn) == jobs, timeout=60)
 

@@ -236,3 +236,81 @@ def test_worker_refuses_a_negative_prefetch(runner: CliRunner, dsn: str) -> None
     result = runner.invoke(main, ["worker", "--app", "x:app", "--prefetch", "-1", "--dsn", dsn])
     assert result.exit_code == 2
     assert "--prefetch" in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--delay", "1e300"], "error: delay must be at most 3,155,760,000 seconds (100 years)"),
+        (["--delay", "3e11"], "error: delay must be at most 3,155,760,000 seconds (100 years)"),
+        (["--delay", "inf"], "error: delay must be a finite, non-negative number of seconds"),
+        (["--delay", "-1"], "error: delay must be a finite, non-negative number of seconds"),
+        (["--queue", "emails,sms"], "error: queue name 'emails,sms' must not contain a comma"),
+        (["--queue", "emails "], "error: queue name 'emails ' must not start or end with"),
+        (["--priority", str(2**40)], "error: priority must be between"),
+        (["--args", "[1]"], "error: args must be a mapping of keyword arguments"),
+        (["--args", '{"x": "' + "a" * 2_000_000 + '"}'], "error: arguments are 2,000,008 bytes"),
+    ],
+)
+def test_refused_enqueue_options_are_one_line_and_write_nothing(
+    runner: CliRunner, dsn: str, conn: Conn, options: list[str], message: str
+) -> None:
+    result = runner.invoke(main, ["enqueue", "t", *options, "--dsn", dsn])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("[" * 30_000 + "]" * 30_000, "nested too deeply (the limit is 100 levels)"),
+        ('{"n": ' + "9" * 5000 + "}", "not valid JSON: Exceeds the limit (4300 digits)"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_args_python_cannot_parse_are_a_usage_error_not_a_traceback(
+    runner: CliRunner, dsn: str, conn: Conn, args: str, message: str
+) -> None:
+    result = runner.invoke(main, ["enqueue", "t", "--args", args, "--dsn", dsn])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Invalid value for --args: " + message in result.stderr
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("command", ["job", "cancel", "requeue"])
+def test_a_job_id_beyond_bigint_is_a_usage_error(runner: CliRunner, dsn: str, command: str) -> None:
+    result = runner.invoke(main, [command, str(2**63), "--dsn", dsn])
+    assert result.exit_code == 2
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "is not in the range 1<=x<=9223372036854775807" in result.stderr
+
+
+def test_a_row_python_cannot_read_is_one_line_not_a_traceback(
+    runner: CliRunner, dsn: str, conn: Conn
+) -> None:
+    """Older versions accepted run_at in the year 11533, which no Python datetime can hold."""
+    row = conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, args, run_at) "
+        "VALUES ('default', 't', '{}', '11533-01-01 00:00+00') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    result = runner.invoke(main, ["job", str(row[0]), "--dsn", dsn])
+    assert result.exit_code == 1
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.stderr.startswith("error: database error: ")
+    assert result.stderr.count("\n") == 1
+
+
+def test_worker_queues_flag_splits_on_commas_and_strips_spaces(
+    runner: CliRunner, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[object] = []
+    monkeypatch.setattr(pgqueue.App, "run_worker", lambda self, **o: served.append(o["queues"]))
+    result = runner.invoke(
+        main,
+        ["worker", "--app", "tests.acceptance.jobs_app:app", "--queues", " a, b ,,c", "--dsn", dsn],
+    )
+    assert result.exit_code == 0, result.output
+    assert served == [["a", "b", "c"]]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import pgqueue
 from pgqueue import InvalidJobError, Status, UnknownTaskError, producer
+from pgqueue.jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS
 from tests.helpers import listening, notifications
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -382,3 +383,44 @@ def test_enqueue_many_escapes_names_and_arguments_for_copy(app: pgqueue.App, con
     ) == 2  # fmt: skip
     rows = conn.execute("SELECT queue, task, args FROM pgqueue_jobs ORDER BY id").fetchall()
     assert rows == [(awkward, awkward, args), ("default", awkward, {"x": "\\."})]
+
+
+@pytest.mark.parametrize("timezone", ["Etc/GMT+12", "Etc/GMT-14"])  # UTC-12, UTC+14
+def test_jobs_at_the_run_at_bounds_read_back_in_any_session_time_zone(
+    dsn: str, conn: Conn, timezone: str
+) -> None:
+    """Whatever enqueue accepts, get_job and the CLI can read back as a Python datetime."""
+    conn.execute(
+        psycopg.sql.SQL("ALTER DATABASE {} SET TimeZone = {}").format(
+            psycopg.sql.Identifier(conn.info.dbname), timezone
+        )
+    )
+    app = pgqueue.App(dsn)
+    latest = {"delay": None, "run_at": LATEST_RUN_AT}
+    earliest = {"delay": None, "run_at": EARLIEST_RUN_AT}
+    longest: dict[str, Any] = {"delay": MAX_DELAY_SECONDS, "run_at": None}
+
+    async def enqueue_async() -> None:
+        try:
+            for options in (latest, longest):
+                await app.enqueue_async("t", {}, allow_unknown=True, **options)
+            await app.enqueue_many_async(
+                [{"task": "t", **o} for o in (earliest, longest)], allow_unknown=True
+            )
+        finally:
+            await app.aclose()
+
+    try:
+        for options in (latest, earliest, longest):
+            app.enqueue("t", {}, allow_unknown=True, **options)
+        app.enqueue_many(
+            [{"task": "t", **o} for o in (latest, earliest, longest)], allow_unknown=True
+        )
+        asyncio.run(enqueue_async())
+        stored = conn.execute("SELECT id FROM pgqueue_jobs ORDER BY id").fetchall()
+        assert len(stored) == 10
+        for (job_id,) in stored:
+            job = app.get_job(job_id)
+            assert job is not None and EARLIEST_RUN_AT <= job.run_at <= LATEST_RUN_AT
+    finally:
+        app.close()

@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
+from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
 from pgqueue.schedules_cli import schedules_command
@@ -276,9 +277,18 @@ async def test_paused_schedule_does_not_fire_and_resume_skips_the_pause(
     assert rows(conn)["p"][2:] == (False, rows(conn)["p"][3], True)
 
 
+async def scheduler_pool(app: pgqueue.App) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+    """A pool like the worker's, for running the scheduler alone."""
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+        app.dsn, min_size=1, kwargs={"autocommit": True}, open=False
+    )
+    await pool.open()
+    return pool
+
+
 async def test_run_loop_fires_and_stops(app: pgqueue.App, conn: Conn) -> None:
     declare(app, ("loop", "* * * * * *"))
-    pool = await app._async_pool()
+    pool = await scheduler_pool(app)
     stop = asyncio.Event()
     scheduler = Scheduler(app, interval=0.2)
     task = asyncio.create_task(scheduler.run(pool, stop))
@@ -289,7 +299,7 @@ async def test_run_loop_fires_and_stops(app: pgqueue.App, conn: Conn) -> None:
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
-        await app.aclose()
+        await pool.close()
     assert scheduler.synced
     ticks = [tick for _, tick, *_ in jobs(conn)]
     assert len(set(ticks)) == len(ticks)
@@ -334,7 +344,7 @@ async def test_run_loop_survives_database_errors_and_still_stops(
     """No pgqueue tables at all: every round fails, is logged, and is retried with backoff."""
     app = pgqueue.App(empty_dsn)
     declare(app, ("x", "* * * * *"))
-    pool = await app._async_pool()
+    pool = await scheduler_pool(app)
     stop = asyncio.Event()
     task = asyncio.create_task(Scheduler(app, interval=0.1).run(pool, stop))
     try:
@@ -345,4 +355,4 @@ async def test_run_loop_survives_database_errors_and_still_stops(
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
-        await app.aclose()
+        await pool.close()

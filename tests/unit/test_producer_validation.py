@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import pgqueue
 from pgqueue import ConfigurationError, InvalidJobError, UnknownTaskError
+from pgqueue.jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS
 from pgqueue.producer import DEFAULT_MAX_PAYLOAD, serialize_args
 
 # A DSN that is never used: every check below fails before the first connection.
@@ -126,11 +127,28 @@ def test_unknown_task_is_refused_and_lists_the_known_ones(app: pgqueue.App) -> N
         ("q" * 129, "queue name is 129 characters; the limit is 128"),
         ("a\x00", "must not contain NUL"),
         (42, "queue name must be a string"),
+        # `pgqueue worker --queues` splits on commas and strips spaces: never servable.
+        ("a,b", "queue name 'a,b' must not contain a comma"),
+        (" emails", "must not start or end with whitespace"),
+        ("emails ", "must not start or end with whitespace"),
+        ("emails\n", "must not start or end with whitespace"),
     ],
 )
 def test_bad_queue_names_are_refused(app: pgqueue.App, queue: Any, message: str) -> None:
     with pytest.raises(InvalidJobError, match=message):
         app.enqueue("send", {"to": "a"}, queue=queue)
+    with pytest.raises(InvalidJobError, match=message):
+        app.enqueue_many([{"task": "send", "args": {"to": "a"}, "queue": queue}])
+    with pytest.raises(InvalidJobError, match=message):
+        app.tasks["send"].configure(queue=queue)
+
+
+def test_queue_names_with_inner_spaces_are_accepted(app: pgqueue.App) -> None:
+    row = app._row(
+        "send", {"to": "a"}, queue="daily reports", priority=None, max_attempts=None,
+        delay=None, run_at=None, allow_unknown=False,
+    )  # fmt: skip
+    assert row.queue == "daily reports"
 
 
 def test_queue_of_exactly_128_characters_is_accepted(app: pgqueue.App) -> None:
@@ -149,10 +167,17 @@ def test_queue_of_exactly_128_characters_is_accepted(app: pgqueue.App) -> None:
 
 def test_bad_queue_in_task_declaration_or_app_default_is_refused() -> None:
     app = pgqueue.App(NOWHERE)
-    with pytest.raises(InvalidJobError, match="queue name is 200 characters"):
+    with pytest.raises(ConfigurationError, match="queue name is 200 characters"):
         app.task(queue="q" * 200)(lambda: None)
-    with pytest.raises(InvalidJobError, match="queue name must not be empty"):
+    with pytest.raises(ConfigurationError, match="queue name must not be empty"):
         pgqueue.App(NOWHERE, default_queue=" ")
+    with pytest.raises(ConfigurationError, match="queue name must not be empty"):
+        app.task(queue="")(lambda: None)
+    with pytest.raises(ConfigurationError, match="must not contain a comma"):
+        app.task(queue="emails,sms")(lambda: None)
+    with pytest.raises(ConfigurationError, match="must not start or end with whitespace"):
+        pgqueue.App(NOWHERE, default_queue="default ")
+    assert not app.tasks
 
 
 @pytest.mark.parametrize(
@@ -165,11 +190,66 @@ def test_bad_queue_in_task_declaration_or_app_default_is_refused() -> None:
         (float("inf"), "finite"),
         ("10", "delay must be seconds or a timedelta"),
         (True, "delay must be seconds or a timedelta"),
+        (1e300, r"delay must be at most 3,155,760,000 seconds \(100 years\), got 1e\+300"),
+        (3e11, "delay must be at most"),  # the year 11533, which readers could not read back
+        (MAX_DELAY_SECONDS + 1, "delay must be at most"),
+        (timedelta.max, "delay must be at most"),
+        (10**400, "delay must be at most .* got more than 1e\\+308"),  # beyond float's range
+        (-(10**400), "non-negative .* got less than -1e\\+308"),
     ],
 )
 def test_bad_delays_are_refused(app: pgqueue.App, delay: Any, message: str) -> None:
     with pytest.raises(InvalidJobError, match=message):
         app.enqueue("send", {"to": "a"}, delay=delay)
+    with pytest.raises(InvalidJobError, match=f"job #0: .*{message}"):
+        app.enqueue_many([{"task": "send", "args": {"to": "a"}, "delay": delay}])
+    with pytest.raises(InvalidJobError, match=message):
+        app.tasks["send"].configure(delay=delay)
+
+
+@pytest.mark.parametrize(
+    "run_at",
+    [
+        datetime(9999, 12, 31, 23, 59, tzinfo=UTC),
+        datetime(1, 1, 1, tzinfo=UTC),
+        datetime(3000, 1, 1, 0, 0, 1, tzinfo=UTC),
+        datetime(1969, 12, 31, 23, 59, tzinfo=UTC),
+        datetime(2999, 12, 31, 20, tzinfo=timezone(timedelta(hours=-5))),  # 3000-01-01 01:00Z
+    ],
+)
+def test_run_at_outside_the_readable_range_is_refused(app: pgqueue.App, run_at: datetime) -> None:
+    message = r"run_at must be between 1970-01-01 and 3000-01-01 \(UTC\)"
+    with pytest.raises(InvalidJobError, match=message):
+        app.enqueue("send", {"to": "a"}, run_at=run_at)
+    with pytest.raises(InvalidJobError, match=f"job #0: .*{message}"):
+        app.enqueue_many([{"task": "send", "args": {"to": "a"}, "run_at": run_at}])
+    with pytest.raises(InvalidJobError, match=message):
+        app.tasks["send"].configure(run_at=run_at)
+
+
+@pytest.mark.parametrize(
+    ("delay", "run_at"),
+    [(MAX_DELAY_SECONDS, None), (0, None), (None, EARLIEST_RUN_AT), (None, LATEST_RUN_AT)],
+)
+def test_the_bounds_themselves_are_accepted(
+    app: pgqueue.App, delay: float | None, run_at: datetime | None
+) -> None:
+    app.tasks["send"].configure(delay=delay, run_at=run_at)
+    row = app._row(
+        "send", {"to": "a"}, queue=None, priority=None, max_attempts=None, delay=delay,
+        run_at=run_at, allow_unknown=False,
+    )  # fmt: skip
+    assert (row.delay, row.run_at) == (delay or 0, run_at)
+
+
+def test_configure_refuses_bad_options_where_they_are_written(app: pgqueue.App) -> None:
+    send = app.tasks["send"]
+    with pytest.raises(InvalidJobError, match="priority must be between"):
+        send.configure(priority=2**31)
+    with pytest.raises(InvalidJobError, match="max_attempts must be between 1"):
+        send.configure(max_attempts=0)
+    with pytest.raises(InvalidJobError, match="give delay or run_at, not both"):
+        send.configure(delay=1, run_at=datetime.now(UTC))
 
 
 def test_naive_run_at_is_refused(app: pgqueue.App) -> None:
@@ -209,9 +289,9 @@ def test_priority_and_max_attempts_ranges(
 
 def test_priority_and_max_attempts_ranges_in_task_declaration() -> None:
     app = pgqueue.App(NOWHERE)
-    with pytest.raises(InvalidJobError, match="max_attempts must be between 1"):
+    with pytest.raises(ConfigurationError, match="max_attempts must be between 1"):
         app.task(max_attempts=0)(lambda: None)
-    with pytest.raises(InvalidJobError, match="priority must be between"):
+    with pytest.raises(ConfigurationError, match="priority must be between"):
         app.task(priority=2**40)(lambda: None)
 
 

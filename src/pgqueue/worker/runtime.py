@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .. import db, stats
-from ..errors import ConfigurationError, PgQueueError
+from .. import db, producer, stats
+from ..errors import ConfigurationError, InvalidJobError, PgQueueError
+from ..jobs import MAX_DELAY_SECONDS
 from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
@@ -108,19 +109,45 @@ class Worker:
         prefetch = concurrency if prefetch is None else prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigurationError("prefetch must be a non-negative integer")
-        if not lease > 0:
-            raise ConfigurationError("lease must be a positive number of seconds")
+
+        def seconds(name: str, value: object, *, zero: bool = False) -> float:
+            """A duration from 0 (or above it) up to MAX_DELAY_SECONDS: an infinite or huge
+            one would overflow a timestamp in SQL or a timeout in Python."""
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigurationError(f"{name} must be a number of seconds")
+            above_low = value >= 0 if zero else value > 0
+            if not (above_low and value <= MAX_DELAY_SECONDS):  # NaN fails both
+                low = "at least 0" if zero else "above 0"
+                raise ConfigurationError(
+                    f"{name} must be {low} and at most {MAX_DELAY_SECONDS:,.0f} seconds "
+                    f"(100 years), got {value!r}"
+                )
+            return float(value)
+
+        lease = seconds("lease", lease)
         heartbeat_interval = heartbeat_interval if heartbeat_interval is not None else lease / 3
-        if not 0 < heartbeat_interval < lease:
+        if not seconds("heartbeat_interval", heartbeat_interval) < lease:
             raise ConfigurationError(
                 "heartbeat_interval must be positive and shorter than the lease"
             )
-        if not poll_interval > 0 or not grace_period >= 0:
-            raise ConfigurationError("poll_interval must be positive and grace_period >= 0")
+        seconds("poll_interval", poll_interval)
+        seconds("grace_period", grace_period, zero=True)
+        seconds("flush_interval", flush_interval, zero=True)
+        if reaper_interval is not None:
+            seconds("reaper_interval", reaper_interval)
+        if retention is not None:
+            seconds("retention", retention, zero=True)
         if event_loop not in EVENT_LOOPS:
             raise ConfigurationError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         if queues is not None:
-            queues = [q.strip() for q in queues if q.strip()]
+            if isinstance(queues, str):
+                raise ConfigurationError("queues must be a list of queue names, not one string")
+            try:
+                queues = [
+                    producer.check_name("queue", q, producer.MAX_QUEUE_LENGTH) for q in queues
+                ]
+            except InvalidJobError as exc:
+                raise ConfigurationError(f"queues: {exc}") from None
             if not queues:
                 raise ConfigurationError("queues must name at least one queue (or be None for all)")
         self.app = app

@@ -69,8 +69,9 @@ class Transactions:
         self.q = q
         self.size = size
         self.kwargs = {**connect_kwargs, "autocommit": False}
-        #: How long a handler's ack waits for its row lock, in PostgreSQL's notation.
-        self.lock_timeout = f"{max(int(lock_timeout * 1000), 1)}ms"
+        #: How long a handler's ack waits for its row lock, in PostgreSQL's notation (whose
+        #: lock_timeout ends at 2^31 - 1 ms, about 24 days).
+        self.lock_timeout = f"{min(max(int(lock_timeout * 1000), 1), 2**31 - 1)}ms"
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()

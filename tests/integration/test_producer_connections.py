@@ -1,0 +1,275 @@
+"""The producer's connections: bounded across event loops, closed when their loop ends, checked
+before use, and every outage a prompt DatabaseUnavailableError that the App recovers from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+import pgqueue
+from pgqueue import DatabaseUnavailableError, pools
+from pgqueue.embedded import EmbeddedPostgres
+from pgqueue.migrate import migrate
+from tests.helpers import ROOT, wait_until
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+# The other sessions of the test's database: each test has a database of its own.
+SESSIONS = (
+    "SELECT {} FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+COUNT = SESSIONS.format("count(*)")
+TERMINATE = SESSIONS.format("pg_terminate_backend(pid)")
+NAMES = SESSIONS.format("application_name")
+TERMINATE_LOCK_WAITERS = TERMINATE + " AND wait_event_type = 'Lock'"
+
+
+def connections(conn: Conn) -> int:
+    """Server connections to the test's database, other than ``conn``."""
+    row = conn.execute(COUNT).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def terminate_others(conn: Conn) -> int:
+    """pg_terminate_backend every other session of the database, and wait until they are gone
+    (each has then sent its client the goodbye and closed the socket)."""
+    rows = conn.execute(TERMINATE).fetchall()
+    wait_until(lambda: connections(conn) == 0, what="terminated sessions gone")
+    return len(rows)
+
+
+def loops(dsn: str, loop: str, mode: str, count: int) -> dict[str, Any]:
+    """tests/producer_loops.py in a subprocess; a hang is a timeout that fails the test."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "tests.producer_loops", dsn, loop, mode, str(count)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{count} event loops did not finish within 120 s: {exc}") from None
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+# --- one pool per event loop, closed with it ----------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_repeated_asyncio_run_keeps_connections_bounded_and_closes_them(
+    dsn: str, loop: str
+) -> None:
+    result = loops(dsn, loop, "enqueue", 25)
+    assert max(result["during"]) <= pools.MAX_SIZE
+    assert result["after"] == [0] * 25  # each loop's connections closed when it ended
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (25 * 8,)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_loops_whose_first_enqueue_fails_end_without_hanging_or_leaking(
+    empty_dsn: str, loop: str
+) -> None:
+    """No pgqueue tables: each loop's first enqueue fails after connecting."""
+    result = loops(empty_dsn, loop, "failing", 25)
+    assert result["errors"] == ["UndefinedTable"]
+    assert max(result["during"]) <= 1
+    assert result["after"] == [0] * 25
+
+
+def test_loops_whose_server_refuses_connections_end_promptly(dsn: str) -> None:
+    started = time.monotonic()
+    result = loops(dsn, "asyncio", "refused", 20)
+    assert result["errors"] == ["DatabaseUnavailableError"]
+    assert time.monotonic() - started < 60
+
+
+def test_a_loop_closed_without_asyncio_run_is_cleaned_up_by_the_next_loop(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(app.enqueue_async("t", {}, allow_unknown=True))
+    loop.close()  # no shutdown_asyncgens(): pgqueue is not told
+    assert connections(conn) == 1
+
+    async def produce() -> int:
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        return connections(conn)
+
+    assert asyncio.run(produce()) == 1  # the closed loop's connection is gone, ours is open
+    wait_until(lambda: connections(conn) == 0, what="the second loop's connection closed")
+
+
+def test_close_closes_sync_and_every_loops_connections_and_the_app_stays_usable(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    app.enqueue("t", {}, allow_unknown=True)
+    with asyncio.Runner() as runner:  # a loop that stays open, as a web server's does
+        runner.run(app.enqueue_async("t", {}, allow_unknown=True))
+        assert connections(conn) == 2
+        app.close()
+        wait_until(lambda: connections(conn) == 0, what="every producer connection closed")
+        runner.run(app.enqueue_async("t", {}, allow_unknown=True))
+        app.enqueue("t", {}, allow_unknown=True)
+        assert connections(conn) == 2
+        runner.run(app.aclose())
+        wait_until(lambda: connections(conn) == 0, what="closed again by aclose()")
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (4,)
+
+
+def test_producer_connections_are_named_unless_the_dsn_names_them(dsn: str, conn: Conn) -> None:
+    app = pgqueue.App(conninfo.make_conninfo(dsn, application_name="shop-web"))
+    try:
+        app.enqueue("t", {}, allow_unknown=True)
+        pgqueue.App(dsn).enqueue("t", {}, allow_unknown=True)
+        names = conn.execute(NAMES).fetchall()
+    finally:
+        app.close()
+    assert ("shop-web",) in names
+    kwargs = pools.connect_kwargs(dsn, {})
+    assert kwargs["application_name"] == pools.APPLICATION_NAME
+    assert kwargs["connect_timeout"] == 10 and kwargs["tcp_user_timeout"] == 15000
+    assert "connect_timeout" not in pools.connect_kwargs(
+        conninfo.make_conninfo(dsn, connect_timeout=3), {}
+    )
+
+
+# --- pooled connections killed while idle ------------------------------------------------------
+
+
+def test_every_sync_entry_point_survives_terminated_pooled_connections(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    calls: dict[str, Callable[[], object]] = {
+        "enqueue": lambda: app.enqueue("t", {}, allow_unknown=True),
+        "enqueue_many": lambda: app.enqueue_many([("t", {})], allow_unknown=True),
+        "get_job": lambda: app.get_job(1),
+        "requeue": lambda: app.requeue(1),
+        "cancel": lambda: app.cancel(1),
+        "status_counts": app.status_counts,
+        "connection": lambda: _select_one(app),
+    }
+    for name, call in calls.items():
+        with app.connection() as a, app.connection() as b:  # two pooled connections
+            assert a is not b
+        assert terminate_others(conn) == 2, name
+        call()  # neither AdminShutdown nor a failure on the dead connection
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (2,)
+
+
+def _select_one(app: pgqueue.App) -> None:
+    with app.connection() as c:
+        assert c.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_async_entry_points_survive_terminated_pooled_connections(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    async def produce() -> None:
+        await asyncio.gather(*(app.enqueue_async("t", {}, allow_unknown=True) for _ in range(3)))
+        assert terminate_others(conn) >= 2
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        assert terminate_others(conn) == 1
+        await app.enqueue_many_async([("t", {})], allow_unknown=True)
+
+    asyncio.run(produce())
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (5,)
+
+
+def test_a_write_whose_connection_dies_mid_statement_is_not_retried(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The INSERT was sent: whether it ran is unknown, so it is never sent again."""
+    app.enqueue("t", {}, allow_unknown=True)
+    failure: list[BaseException] = []
+
+    def enqueue() -> None:
+        try:
+            app.enqueue("t", {}, allow_unknown=True)
+        except BaseException as exc:
+            failure.append(exc)
+
+    with conn.transaction():
+        conn.execute("LOCK TABLE pgqueue_jobs IN ACCESS EXCLUSIVE MODE")
+        thread = threading.Thread(target=enqueue)
+        thread.start()
+        wait_until(
+            lambda: conn.execute(TERMINATE_LOCK_WAITERS).fetchall(),
+            what="the enqueue waiting on the lock",
+        )
+        # A retry would wait on the lock again: returning while it is held shows there is none.
+        thread.join(10)
+        assert not thread.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], DatabaseUnavailableError)
+    assert str(failure[0]).startswith("lost the connection to PostgreSQL at ")
+    assert str(failure[0]).endswith("the write may or may not have been applied")
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (1,)
+
+
+# --- a server that goes down and comes back -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[EmbeddedPostgres]:
+    """A cluster of this module's own, which the tests stop and start."""
+    cluster = EmbeddedPostgres().start()
+    try:
+        with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+            migrate(conn, "public")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_server_outage_is_a_prompt_clear_error_and_the_app_recovers(
+    own_server: EmbeddedPostgres, mode: str
+) -> None:
+    app = pgqueue.App(own_server.dsn)
+    runner = asyncio.Runner()
+    try:
+        job = app.enqueue("t", {}, allow_unknown=True)
+        runner.run(app.enqueue_async("t", {}, allow_unknown=True))  # both pools hold one
+        own_server.stop_server(mode)
+        calls: dict[str, Callable[[], object]] = {
+            "enqueue": lambda: app.enqueue("t", {}, allow_unknown=True),
+            "enqueue_many": lambda: app.enqueue_many([("t", {})], allow_unknown=True),
+            "get_job": lambda: app.get_job(job),
+            "requeue": lambda: app.requeue(job),
+            "cancel": lambda: app.cancel(job),
+            "status_counts": app.status_counts,
+            "connection": lambda: _select_one(app),
+            "enqueue_async": lambda: runner.run(app.enqueue_async("t", {}, allow_unknown=True)),
+            "enqueue_many_async": lambda: runner.run(
+                app.enqueue_many_async([("t", {})], allow_unknown=True)
+            ),
+        }
+        for name, call in calls.items():
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailableError) as info:
+                call()
+            assert time.monotonic() - started < 5, name  # not a 10 s pool timeout
+            message = str(info.value)
+            assert "\n" not in message
+            assert message.startswith(
+                f"cannot connect to PostgreSQL at 127.0.0.1:{own_server.port}/"
+            )
+        own_server.start_server()
+        # The first call after the outage already works, on a fresh connection.
+        assert runner.run(app.enqueue_async("t", {}, allow_unknown=True)) > job
+        assert app.enqueue("t", {}, allow_unknown=True) > job
+        assert app.get_job(job) is not None
+    finally:
+        runner.close()
+        app.close()
