@@ -293,3 +293,70 @@ def test_every_outcome_a_handler_can_produce_is_storable(
     outcome = asyncio.run(executor.run(job, 0.0, lambda: 0.0, lambda: None))
     written = conn.execute(app.q.complete_jobs, ack_params([outcome])).fetchall()
     assert written == [(job_id,)], outcome
+
+
+async def test_isolating_a_refused_outcome_reports_every_other_ack_exactly_once(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """A batch is split around a refused outcome; a part already written stays written when a
+    later part meets a transient error (here a serialization failure, once), and the retry
+    does not report it again."""
+    from psycopg_pool import AsyncConnectionPool
+
+    from pgqueue.jobs import Status
+    from pgqueue.worker.completer import Completer
+    from pgqueue.worker.executor import Outcome
+
+    worker = uuid.uuid4()
+    register_worker(conn, worker)
+    app.enqueue_many([("t", {}) for _ in range(4)], allow_unknown=True)
+    token = uuid.uuid4()
+    ids = sorted(
+        int(r[0])
+        for r in conn.execute(
+            app.q.claim_jobs, {"worker_id": worker, "limit": 4, "token": token, "tasks": None}
+        ).fetchall()
+    )
+    refused, _, _, flaky = ids
+    conn.execute("CREATE SEQUENCE once")
+    conn.execute(
+        f"""CREATE FUNCTION odd_rows() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              IF NEW.id = {refused} AND NEW.status = 'succeeded' THEN
+                RAISE EXCEPTION 'not this one';
+              END IF;
+              IF NEW.id = {flaky} AND nextval('once') = 1 THEN
+                RAISE EXCEPTION 'try again' USING ERRCODE = '40001';
+              END IF;
+              RETURN NEW;
+            END $$"""
+    )
+    conn.execute(
+        "CREATE TRIGGER odd_rows BEFORE UPDATE ON pgqueue_jobs FOR EACH ROW"
+        " EXECUTE FUNCTION odd_rows()"
+    )
+    reported: list[int] = []
+
+    def written(batch: list[Outcome], accepted: set[int]) -> None:
+        reported.extend(o.job_id for o in batch if o.job_id in accepted)
+
+    def instead(outcome: Outcome, reason: str) -> Outcome:
+        return Outcome(outcome.job_id, token, Status.RETRYING, 60.0, "OutcomeNotStored", None,
+                       0.0, "default", 0.0)  # fmt: skip
+
+    async with AsyncConnectionPool(
+        dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+    ) as pool:
+        completer = Completer(pool, app.q, written, on_refused=instead)
+        for job_id in ids:
+            completer.submit(
+                Outcome(job_id, token, Status.SUCCEEDED, None, None, None, 0.0, "default", 0.0)
+            )
+        for _ in range(10):
+            if not completer.pending:
+                break
+            await completer.flush_once()
+    assert sorted(reported) == ids  # each once: the replacement for the refused one included
+    states = statuses(conn, ids)
+    assert states[refused][0] == "retrying"
+    assert {states[j][0] for j in ids if j != refused} == {"succeeded"}

@@ -143,15 +143,14 @@ class Completer:
             return
         self._failures = 0
         self._uncertain = False
-        done = {id(o) for o in batch}
-        self.pending = [o for o in self.pending if id(o) not in done]
         if not self.pending and not self._stopped:
             self._has_work.clear()
 
     async def _write_isolating(self, batch: list[Outcome], uncertain: bool) -> None:
         """Write ``batch``; a statement the database refuses for what is in it is split until
-        the refused outcome is alone (see the module docstring). Transient errors propagate
-        with nothing reported, so the caller retries the whole batch."""
+        the refused outcome is alone (see the module docstring). Each part leaves ``pending``
+        as soon as it is settled; a transient error propagates, and the caller retries what is
+        left."""
         groups = [batch]
         while groups:
             group = groups.pop()
@@ -164,9 +163,15 @@ class Completer:
                     half = len(group) // 2
                     groups += [group[half:], group[:half]]
                     continue
+                self._settled(group)
                 self._refused(group[0], exc)
                 continue
+            self._settled(group)
             self._report(group, accepted, busy)
+
+    def _settled(self, group: list[Outcome]) -> None:
+        done = {id(o) for o in group}
+        self.pending = [o for o in self.pending if id(o) not in done]
 
     def _refused(self, outcome: Outcome, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {str(exc).strip()}"
@@ -197,6 +202,10 @@ class Completer:
         try:
             accepted, busy = await self._write(due, True, skip_locked=True)
         except Exception as exc:
+            if not _is_transient(exc):  # about their contents: the isolating path sorts it out
+                self.pending += due
+                self._has_work.set()
+                return
             self.busy += [(o, now + pauses[id(o)], pauses[id(o)]) for o in due]
             round_failed(log, f"writing {len(due)} results whose rows were locked", exc)
             return
