@@ -99,30 +99,41 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
 ) -> None:
     """Against a plain SELECT in claim order, for random mixes of priorities, statuses, due and
     delayed rows, queue lists, and rows held by a concurrent claimer: the same jobs in the same
-    order, and the rows locked are exactly the batch."""
+    order, and the rows locked are exactly the batch; on a generic plan (as a worker's cached
+    claim runs) and on a custom one."""
     q = queries("public")
     with psycopg.connect(dsn) as claimer, psycopg.connect(dsn) as other:
 
-        @settings(max_examples=120, deadline=None, database=None)
-        @given(rows=LAYOUTS[layout], limit=st.integers(1, 60), queues=queue_lists)
-        def same_as_the_plain_select(rows: list[Row], limit: int, queues: list[str] | None) -> None:
-            ids = fill(conn, rows)
+        def claim(rows: list[Row], limit: int, queues: list[str] | None, mode: str) -> None:
+            ids = fill(conn, rows) if mode == "force_generic_plan" else sorted_ids(conn)
             held = [i for i, row in zip(ids, rows, strict=True) if row[4]]
             try:
                 other.execute("SELECT id FROM pgqueue_jobs WHERE id = ANY(%s) FOR UPDATE", (held,))
+                claimer.execute(f"SET LOCAL plan_cache_mode = {mode}".encode())
                 reference = claimer.execute(REFERENCE, {"queues": queues}).fetchall()
                 expected = [r[0] for r in reference if r[0] not in held][:limit]
                 statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
-                claimed = [r[0] for r in claimer.execute(statement, claim_params(limit, queues))]
-                assert claimed == expected
+                params = claim_params(limit, queues)
+                claimed = [r[0] for r in claimer.execute(statement, params, prepare=True)]
+                assert claimed == expected, mode
                 # The other session sees every row but the claimed ones free (its own it holds).
                 free = other.execute("SELECT id FROM pgqueue_jobs FOR UPDATE SKIP LOCKED")
-                assert set(ids) - {r[0] for r in free} == set(claimed)
+                assert set(ids) - {r[0] for r in free} == set(claimed), mode
             finally:
                 claimer.rollback()
                 other.rollback()
 
+        @settings(max_examples=100, deadline=None, database=None)
+        @given(rows=LAYOUTS[layout], limit=st.integers(1, 60), queues=queue_lists)
+        def same_as_the_plain_select(rows: list[Row], limit: int, queues: list[str] | None) -> None:
+            for mode in ("force_generic_plan", "force_custom_plan"):
+                claim(rows, limit, queues, mode)
+
         same_as_the_plain_select()
+
+
+def sorted_ids(conn: Conn) -> list[int]:
+    return [r[0] for r in conn.execute("SELECT id FROM pgqueue_jobs ORDER BY id")]
 
 
 DELAYED = 500_000
