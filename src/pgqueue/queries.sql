@@ -68,45 +68,91 @@ SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
 GROUP BY queue, status ORDER BY queue, status
 
 -- name: claim_jobs
--- One statement claims a batch. The inner SELECT is a range scan of pgqueue_jobs_ready_idx in
--- exactly its order; SKIP LOCKED lets any number of workers claim at once without waiting on
--- each other. Each claim gets a fresh lease token: the fencing token for every later write. The
--- worker draws it (a random UUID per statement, shared by the jobs of that claim): fencing needs
--- (id, token) to change at every claim of a job, which it does, and gen_random_uuid() per row
--- cost ~1.4 us of the server's time per job here, plus parsing a returned UUID per row.
+-- One statement claims a batch: due jobs in the order priority DESC, run_at, id. SKIP LOCKED lets
+-- any number of workers claim at once without waiting on each other. Each claim gets a fresh
+-- lease token: the fencing token for every later write. The worker draws it (a random UUID per
+-- statement, shared by the jobs of that claim): fencing needs (id, token) to change at every
+-- claim of a job, which it does, and gen_random_uuid() per row cost ~1.4 us of the server's time
+-- per job here, plus parsing a returned UUID per row.
+-- Jobs not due yet are not read. pgqueue_jobs_ready_idx is in claim order, and within one
+-- priority the due rows come first, so a scan bounded by run_at <= now() stops at the first
+-- future row; across priorities it cannot (a higher priority's future rows lie between the due
+-- ones: 500,000 delayed priority-10 jobs cost every claim 38 ms). So the id selection walks the
+-- distinct priorities (`groups`, a loose index scan: one descent per priority, highest first,
+-- pulled lazily), skips a priority whose earliest run_at is ahead, and takes each priority's due
+-- rows in order, from where its first visible entry was found (entries before it are claimed
+-- jobs not yet vacuumed, which the descent has already stepped over). The walk stops after 32
+-- priorities and the rest is one ordered scan as before, so many distinct priorities cost at
+-- most 32 descents more than that scan. Rows are locked only as the outer LIMIT pulls them: the
+-- order is that of the nested loop over `groups` (recursion order) and then of UNION ALL's
+-- branches, and nothing sorts above the row locks (a Sort there would lock every due row). The
+-- LIMITs of the inner scans hide their value in a subquery, which keeps the planner on ordered
+-- index scans (with the value known, a bitmap scan and a sort of a whole priority can look
+-- cheaper).
 -- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
 -- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
 -- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
 -- batch back in claim order, with the arguments as JSON text that the worker parses itself:
 -- psycopg's jsonb loader took ~5 us of the worker's CPU per row here, text and the fetcher's
--- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
--- claim_jobs_in_queues restricted to a list of queues, which then reads
--- pgqueue_jobs_ready_queue_idx when it is one queue.
--- The LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL plan every
--- claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always looks
--- cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans assume
--- the same unknown LIMIT and the cached generic plan is kept (test_query_plans checks its
--- shape at depth). claim_jobs_in_queues keeps the plain parameter: its custom plan also sees
--- the queue list, and that is what picks the per-queue index for one queue.
+-- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs over all queues (queue_list is one
+-- pass for every queue at once, the filters empty), and as claim_jobs_in_queues, which finds
+-- each priority by one descent per listed queue in pgqueue_jobs_ready_queue_idx and, for a
+-- single queue, reads its due rows there too (its custom plan folds `queue = (queues)[1]` into
+-- an equality, which an index scans in order; `queue = ANY` alone cannot).
+-- The batch's LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL
+-- plan every claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always
+-- looks cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans
+-- assume the same unknown LIMIT and the cached generic plan is kept (test_query_plans checks
+-- its shape at depth). claim_jobs_in_queues keeps the plain parameter: its custom plan also
+-- sees the queue list, and that is what picks the per-queue index for one queue.
 -- The claimed jobs' lease is the worker's own (pgqueue_workers.lease_expires_at, extended by
 -- extend_leases), so the claim takes nothing unless that lease is live: a worker whose
 -- heartbeats stopped reaching the database never claims jobs that any reaper may take back at
--- once. The EXISTS is a one-time filter, evaluated once per claim. %(tasks)s is NULL unless the
--- worker met a task it does not know (a rolling deploy): it then claims only its own tasks and
--- leaves the others' jobs queued for workers that know them.
+-- once. The check gates the walk's first row (no live lease: no priorities, no rows), once per
+-- claim. %(tasks)s is NULL unless the worker met a task it does not know (a rolling deploy): it
+-- then claims only its own tasks and leaves the others' jobs queued for workers that know them.
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
         lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
     WHERE j.id = ANY(ARRAY(
-        SELECT id FROM {schema}.pgqueue_jobs
-        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
-          AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
-          AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
-                      WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
-        ORDER BY priority DESC, run_at, id
+        WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
+            SELECT 0, 2147483648, NULL::timestamptz, NULL::bigint  -- above any int4 priority
+            WHERE EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                          WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
+            UNION ALL
+            SELECT g.depth + 1, n.* FROM groups g CROSS JOIN LATERAL (
+                SELECT f.* FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
+                    SELECT priority, run_at, id FROM {schema}.pgqueue_jobs
+                    WHERE status IN ('queued', 'retrying') AND priority < g.priority {queue_match}
+                    ORDER BY priority DESC, run_at, id LIMIT 1
+                ) f
+                ORDER BY f.priority DESC, f.run_at, f.id LIMIT 1
+            ) n
+            WHERE g.depth < 32
+        )
+        SELECT due.id FROM groups g CROSS JOIN LATERAL (
+            SELECT id FROM {schema}.pgqueue_jobs
+            WHERE status IN ('queued', 'retrying') AND priority = g.priority
+                  AND (run_at, id) >= (g.first_run_at, g.first_id) AND run_at <= now()
+                  {queue_filter}
+                  AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+            ORDER BY run_at, id
+            LIMIT (SELECT %(limit)s::int)
+            FOR UPDATE SKIP LOCKED
+        ) due
+        WHERE g.first_run_at <= now()
+        UNION ALL
+        SELECT rest.id FROM (
+            SELECT id FROM {schema}.pgqueue_jobs
+            WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+                  AND priority < (SELECT priority FROM groups WHERE depth = 32)
+                  AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+            ORDER BY priority DESC, run_at, id
+            LIMIT (SELECT %(limit)s::int)
+            FOR UPDATE SKIP LOCKED
+        ) rest
         LIMIT {claim_limit}
-        FOR UPDATE SKIP LOCKED
     ))
     RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
@@ -116,12 +162,39 @@ SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: next_ready_at
--- Seconds until the earliest job waiting to run becomes due (NULL: none is waiting), by the
--- database clock: a worker about to wait sleeps no longer than that. Rendered twice, like
--- claim_jobs: for every queue, and as next_ready_at_in_queues for a list of queues.
-SELECT extract(epoch FROM min(run_at) - now())::float8
-FROM {schema}.pgqueue_jobs
-WHERE status IN ('queued', 'retrying') AND run_at > now() {queue_filter}
+-- Seconds from the database's now() to the earliest run_at still ahead among waiting jobs (NULL:
+-- none), for a worker that has nothing to claim and may sleep until then. The same walk over the
+-- priorities as claim_jobs: a priority's first index entry holds its earliest run_at, and when
+-- some of its jobs are due one more descent finds its first future one; so one or two index
+-- descents per distinct priority (per listed queue in next_ready_at_in_queues), however many
+-- jobs wait. Beyond the 32 highest priorities the rest is one scan of their waiting jobs, as in
+-- claim_jobs. Rendered twice like claim_jobs (sql.VARIANTS).
+WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
+    VALUES (0, 2147483648, NULL::timestamptz, NULL::bigint)
+    UNION ALL
+    SELECT g.depth + 1, n.* FROM groups g CROSS JOIN LATERAL (
+        SELECT f.* FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
+            SELECT priority, run_at, id FROM {schema}.pgqueue_jobs
+            WHERE status IN ('queued', 'retrying') AND priority < g.priority {queue_match}
+            ORDER BY priority DESC, run_at, id LIMIT 1
+        ) f
+        ORDER BY f.priority DESC, f.run_at, f.id LIMIT 1
+    ) n
+    WHERE g.depth < 32
+)
+SELECT extract(epoch FROM least(
+    (SELECT min(CASE WHEN g.first_run_at > now() THEN g.first_run_at ELSE (
+        SELECT min(f.run_at) FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
+            SELECT run_at FROM {schema}.pgqueue_jobs
+            WHERE status IN ('queued', 'retrying') AND priority = g.priority AND run_at > now()
+                  {queue_match}
+            ORDER BY run_at LIMIT 1
+        ) f
+    ) END) FROM groups g WHERE g.depth > 0),
+    (SELECT min(run_at) FROM {schema}.pgqueue_jobs
+     WHERE status IN ('queued', 'retrying') AND run_at > now() {queue_filter}
+           AND priority < (SELECT priority FROM groups WHERE depth = 32))
+) - now())::float8
 
 -- name: complete_jobs
 -- Batched acks, fenced per job: a row changes only while it still carries the lease token this

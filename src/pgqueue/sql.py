@@ -32,14 +32,22 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
     return composed.as_string().encode()
 
 
+#: The fragments that restrict claim_jobs and next_ready_at to a list of queues: the walk over
+#: the priorities probes each listed queue (``queue_list``, ``queue_match``: an equality, which
+#: pgqueue_jobs_ready_queue_idx scans in order), and the rows read are those of any listed queue
+#: (``queue_filter``; for a single queue the custom plan folds its second condition into
+#: ``queue = 'name'``, an equality again).
+IN_QUEUES = {
+    "queue_list": "unnest(%(queues)s::text[])",
+    "queue_match": "AND queue = l.queue",
+    "queue_filter": "AND queue = ANY(%(queues)s::text[])"
+    " AND (cardinality(%(queues)s::text[]) > 1 OR queue = (%(queues)s::text[])[1])",
+}
 #: Statements written once in queries.sql and rendered twice: the variant's name → its base
 #: section and the fragments it fills in. In the base each fragment is empty unless BASE names it.
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
-    "claim_jobs_in_queues": (
-        "claim_jobs",
-        {"queue_filter": "AND queue = ANY(%(queues)s)", "claim_limit": "%(limit)s"},
-    ),
-    "next_ready_at_in_queues": ("next_ready_at", {"queue_filter": "AND queue = ANY(%(queues)s)"}),
+    "claim_jobs_in_queues": ("claim_jobs", {**IN_QUEUES, "claim_limit": "%(limit)s"}),
+    "next_ready_at_in_queues": ("next_ready_at", IN_QUEUES),
     "complete_jobs_skip_locked": (
         "complete_jobs",
         {
@@ -52,6 +60,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 BASE = {
     **{name: "" for _, fragments in VARIANTS.values() for name in fragments},
     "claim_limit": "(SELECT %(limit)s::int)",
+    "queue_list": "(VALUES (NULL::text))",  # one probe per priority, for every queue at once
 }
 
 

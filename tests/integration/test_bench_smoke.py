@@ -56,6 +56,19 @@ def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(pg_server: Se
     assert run["vs_empty"] == pytest.approx(run["rate"] / run["empty_rate"])
 
 
+@pytest.mark.slow
+def test_bench_delayed_compares_claims_with_and_without_delayed_jobs(pg_server: Server) -> None:
+    out = bench(pg_server, "--quick", "--reps", "1", "--only", "delayed", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert set(report["runs"]["delayed"]) == {"pgqueue"}  # the peers and variants do not run it
+    (run,) = report["runs"]["delayed"]["pgqueue"]
+    assert run["rate"] > 0 and run["empty_rate"] > 0
+    assert run["vs_empty"] == pytest.approx(run["rate"] / run["empty_rate"])
+    assert run["claim_ms"] > 0 and run["empty_claim_ms"] > 0
+    assert run["claim_vs_empty"] == pytest.approx(run["claim_ms"] / run["empty_claim_ms"])
+
+
 def test_bench_peers_need_the_adapters(pg_server: Server) -> None:
     out = bench(pg_server, "--peers", "--peers-dir", "/nonexistent", timeout=60)
     assert out.returncode == 1

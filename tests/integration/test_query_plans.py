@@ -10,55 +10,14 @@ on a table shaped like that, and check the plan's shape.
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
 from typing import Any
 
-import psycopg
 import pytest
 
 from pgqueue.sql import queries
 from tests.helpers import register_worker
-
-Conn = psycopg.Connection[tuple[Any, ...]]
-
-
-def generic_plan(conn: Conn, statement: bytes, values: dict[str, Any]) -> dict[str, Any]:
-    """EXPLAIN ANALYZE of ``statement`` as a server-side prepared statement planned generically,
-    inside a transaction that is rolled back."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    text = re.sub(r"%\((\w+)\)[sb]", number, statement.decode())
-    with conn.transaction(force_rollback=True):
-        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        conn.execute(f"PREPARE hot AS {text}".encode())
-        try:
-            # EXECUTE takes no bound parameters: a client-side cursor writes them in as literals.
-            placeholders = ", ".join(["%s"] * len(names))
-            cur = psycopg.ClientCursor(conn)
-            cur.execute(
-                f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE hot({placeholders})".encode(),
-                [values[n] for n in names],
-            )
-            row = cur.fetchone()
-        finally:
-            conn.execute("DEALLOCATE hot")
-    assert row is not None
-    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
-    return dict(plan[0]["Plan"])
-
-
-def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    found = [plan]
-    for child in plan.get("Plans", []):
-        found += nodes(child)
-    return found
+from tests.plans import Conn, buffers, claim_selection, explain, nodes
 
 
 def live_worker(conn: Conn) -> uuid.UUID:
@@ -96,7 +55,7 @@ def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(
     shape_the_table(conn, finished=finished, queued=queued, running=0)
     q = queries("public")
     worker = live_worker(conn)
-    plan = generic_plan(
+    plan = explain(
         conn,
         q.claim_jobs,
         {"worker_id": worker, "limit": 200, "token": uuid.uuid4(), "tasks": None},
@@ -153,7 +112,7 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
         q.complete_jobs_skip_locked, statements["complete_jobs"][1]
     )  # fmt: skip
     for name, (statement, values) in statements.items():
-        plan = generic_plan(conn, statement, values)
+        plan = explain(conn, statement, values)
         assert plan["Actual Rows"] == (0 if name == "extend_leases" else n), name
         for node in nodes(plan):
             # Every node handles at most the batch: no scan of all running rows per element.
@@ -178,3 +137,144 @@ def test_the_claim_is_planned_once_not_at_every_execution(conn: Conn) -> None:
     assert row is not None
     generic, custom = row
     assert custom <= 5 and generic >= 10, (generic, custom)
+
+
+def shape_with_delayed_jobs(conn: Conn, due: int, delayed: int) -> None:
+    """Due jobs at three priorities in two queues, delayed ones at five priorities between and
+    above them, in three queues; statistics taken."""
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority)"
+        " SELECT CASE WHEN g %% 2 = 0 THEN 'a' ELSE 'b' END, 't', (g %% 3) * 10"
+        " FROM generate_series(1, %s) AS g",
+        (due,),
+    )
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority, run_at)"
+        " SELECT CASE g %% 3 WHEN 0 THEN 'a' WHEN 1 THEN 'b' ELSE 'c' END, 't', (g %% 5) * 10 + 5,"
+        "        now() + interval '1 hour' + g * interval '1 ms'"
+        " FROM generate_series(1, %s) AS g",
+        (delayed,),
+    )
+    conn.execute("VACUUM ANALYZE pgqueue_jobs")
+
+
+def locks_lazily(selection: dict[str, Any], limit: int) -> None:
+    """Rows are locked only as the claim's LIMIT pulls them: every LockRows sits under a Limit
+    with no Sort above it (a Sort would pull, and lock, every due row first), and no node hands
+    on more than the batch."""
+
+    def check(node: dict[str, Any], sorted_above: bool) -> None:
+        kind = node["Node Type"]
+        assert not (kind == "LockRows" and sorted_above), "a Sort above the row locks"
+        assert node["Actual Rows"] <= limit, (kind, node["Actual Rows"])
+        for child in node.get("Plans", []):
+            check(child, sorted_above or kind == "Sort")
+
+    check(selection, False)
+    assert any(n["Node Type"] == "LockRows" for n in nodes(selection))
+
+
+def due_row_scans(selection: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scans under the row locks that ran: those that read the due rows. (The claim has two
+    sets of locks: one under the walk over the priorities, one under the scan of the rest.)"""
+    (locks,) = [
+        n for n in nodes(selection) if n["Node Type"] == "LockRows" and n["Actual Loops"] > 0
+    ]
+    return [n for n in nodes(locks) if n["Node Type"] in SCANS]
+
+
+SCANS = {"Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Seq Scan"}
+
+
+def test_claim_walks_the_priorities_and_reads_no_delayed_row(conn: Conn) -> None:
+    """The generic plan at depth, delayed jobs between and above the due ones: one index
+    descent per priority (each probe returns one row), the due rows of a priority read in order
+    from the ready index bounded by run_at, and nothing locked beyond the batch."""
+    shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
+    q = queries("public")
+    params = {"worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None}
+    plan = explain(conn, q.claim_jobs, params)
+    assert plan["Actual Rows"] == 200
+    selection = claim_selection(plan)
+    locks_lazily(selection, 200)
+    (scan,) = due_row_scans(selection)
+    assert scan["Node Type"] == "Index Scan" and scan["Index Name"] == "pgqueue_jobs_ready_idx"
+    assert "priority = " in scan["Index Cond"] and "run_at <= now()" in scan["Index Cond"], scan
+    probes = [n for n in nodes(selection) if n["Node Type"] == "Index Only Scan"]
+    assert probes and all(n["Actual Rows"] <= 1 for n in probes), probes
+    assert buffers(selection) < 600  # 200 row locks, a few descents
+
+
+@pytest.mark.parametrize("queues", [["a"], ["a", "b"]])
+def test_claim_in_queues_probes_each_queue_and_one_queue_reads_its_own_index(
+    conn: Conn, queues: list[str]
+) -> None:
+    """The list variant runs on custom plans (it keeps a plain LIMIT parameter). It probes each
+    listed queue in pgqueue_jobs_ready_queue_idx, and for a single queue reads the due rows
+    there too, by equality and in order; for several, from the ready index filtered by queue."""
+    shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
+    q = queries("public")
+    params = {
+        "worker_id": live_worker(conn),
+        "limit": 200,
+        "token": uuid.uuid4(),
+        "tasks": None,
+        "queues": queues,
+    }
+    plan = explain(conn, q.claim_jobs_in_queues, params, generic=False)
+    assert plan["Actual Rows"] == 200
+    selection = claim_selection(plan)
+    locks_lazily(selection, 200)
+    probes = [n for n in nodes(selection) if n["Node Type"] == "Index Only Scan"]
+    assert {n["Index Name"] for n in probes} == {"pgqueue_jobs_ready_queue_idx"}
+    assert all(n["Actual Rows"] <= 1 for n in probes), probes
+    (scan,) = due_row_scans(selection)
+    assert scan["Node Type"] == "Index Scan" and "run_at <= now()" in scan["Index Cond"], scan
+    if len(queues) == 1:
+        assert scan["Index Name"] == "pgqueue_jobs_ready_queue_idx"
+        assert "queue = 'a'::text" in scan["Index Cond"], scan
+    assert buffers(selection) < 600
+
+
+def test_claim_beyond_32_priorities_scans_the_rest_in_one_pass(conn: Conn) -> None:
+    """With many distinct priorities the walk stops after 32 of them (32 descents) and the rest
+    is read as before the walk existed, in one ordered pass: a claim never costs much more than
+    that pass, however many priorities there are."""
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority) SELECT 'q', 't', 0"
+        " FROM generate_series(1, 20000)"
+    )
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority, run_at)"
+        " SELECT 'q', 't', 1 + g %% 1000, now() + interval '1 hour' FROM generate_series(1, %s) g",
+        (100_000,),
+    )
+    conn.execute("VACUUM ANALYZE pgqueue_jobs")
+    q = queries("public")
+    params = {"worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None}
+    plan = explain(conn, q.claim_jobs, params)
+    assert plan["Actual Rows"] == 200
+    selection = claim_selection(plan)
+    locks_lazily(selection, 200)
+    (probe,) = [n for n in nodes(selection) if n["Node Type"] == "Index Only Scan"]
+    assert probe["Actual Loops"] == 32
+    (scan,) = due_row_scans(selection)
+    assert scan["Node Type"] == "Index Scan" and scan["Index Name"] == "pgqueue_jobs_ready_idx"
+    assert "priority < " in scan["Index Cond"] and "run_at <= now()" in scan["Index Cond"], scan
+    # The pass over ~97,000 delayed entries (~500 buffers), 200 row locks, 32 descents.
+    assert buffers(selection) < 1_300, buffers(selection)
+
+
+@pytest.mark.parametrize("queues", [None, ["c"], ["a", "c"]])
+def test_next_ready_at_costs_a_few_descents_per_priority_at_any_depth(
+    conn: Conn, queues: list[str] | None
+) -> None:
+    """One or two index descents per distinct priority (per listed queue), whatever the depth."""
+    shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
+    q = queries("public")
+    statement = q.next_ready_at if queues is None else q.next_ready_at_in_queues
+    plan = explain(conn, statement, {"queues": queues})
+    assert buffers(plan) < 150, buffers(plan)
+    for node in nodes(plan):
+        assert node["Node Type"] != "Seq Scan" and node["Node Type"] != "Bitmap Heap Scan", node
+        assert node["Actual Rows"] <= 10, node  # one row per priority, at most

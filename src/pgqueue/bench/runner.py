@@ -57,7 +57,8 @@ class Workload:
     title: str
     metrics: list[Metric]
     run: Callable[[workloads.Context, System], Awaitable[Any]]
-    systems: str = "all"  # "all", or "processing" (PgQueuer's batch-100 variant too)
+    #: "all", "processing" (PgQueuer's batch-100 variant too), or "pgqueue" (pgqueue alone)
+    systems: str = "all"
 
 
 RATE = [Metric("rate", "jobs/s", "{:,.0f}", HIGHER)]
@@ -69,6 +70,15 @@ DEPTH = [
     *RATE,
     Metric("empty_rate", "jobs/s, same jobs, empty table", "{:,.0f}", HIGHER),
     Metric("vs_empty", "share of the empty-table rate", "{:.0%}", HIGHER),
+    *CPU,
+]
+DELAYED = [
+    *RATE,
+    Metric("empty_rate", "jobs/s, same jobs, no delayed jobs", "{:,.0f}", HIGHER),
+    Metric("vs_empty", "share of that rate", "{:.0%}", HIGHER),
+    Metric("claim_ms", "ms per claim of 100 (median)", "{:.2f}", LOWER),
+    Metric("empty_claim_ms", "ms per claim, no delayed jobs", "{:.2f}", LOWER),
+    Metric("claim_vs_empty", "claim time vs no delayed jobs", "{:.0%}", LOWER),
     *CPU,
 ]
 LATENCY = [Metric(p, f"{p} ms", "{:.2f}", LOWER) for p in ("p50", "p95", "p99")]
@@ -91,6 +101,8 @@ class Plan:
     steady_rate: float
     depth_waiting: int
     depth_finished: int
+    delayed_ready: int
+    delayed_jobs: int
     processing_jobs: int
     io_jobs: int
     single_jobs: int
@@ -104,12 +116,13 @@ class Plan:
     def make(cls, quick: bool, reps: int | None) -> Plan:
         if quick:
             return cls(quick, reps or 3, steady_seconds=10, steady_rate=1000, depth_waiting=10_000,
-                       depth_finished=100_000, processing_jobs=10_000, io_jobs=5_000,
-                       single_jobs=600, bulk_jobs=20_000, latency_jobs=60,
-                       ceiling_seconds=5)  # fmt: skip
+                       depth_finished=100_000, delayed_ready=10_000, delayed_jobs=200_000,
+                       processing_jobs=10_000, io_jobs=5_000, single_jobs=600, bulk_jobs=20_000,
+                       latency_jobs=60, ceiling_seconds=5)  # fmt: skip
         return cls(quick, reps or 3, steady_seconds=60, steady_rate=2000, depth_waiting=100_000,
-                   depth_finished=1_000_000, processing_jobs=30_000, io_jobs=15_000,
-                   single_jobs=2_000, bulk_jobs=50_000, latency_jobs=500)  # fmt: skip
+                   depth_finished=1_000_000, delayed_ready=100_000, delayed_jobs=1_000_000,
+                   processing_jobs=30_000, io_jobs=15_000, single_jobs=2_000, bulk_jobs=50_000,
+                   latency_jobs=500)  # fmt: skip
 
     def workloads(self) -> list[Workload]:
         p = self
@@ -144,6 +157,11 @@ class Plan:
                      "finished rows, 1 worker", DEPTH,
                      lambda c, s: w.depth(c, s, p.depth_waiting, p.depth_finished, 100),
                      systems="processing"),
+            Workload("delayed",
+                     f"processing {p.delayed_ready:,} jobs beside {p.delayed_jobs:,} delayed "
+                     "jobs of higher priority, 1 worker", DELAYED,
+                     lambda c, s: w.delayed(c, s, p.delayed_ready, p.delayed_jobs, 100),
+                     systems="pgqueue"),
         ]  # fmt: skip
         if self.only:
             items = [i for i in items if i.key in self.only]
@@ -286,6 +304,8 @@ class Results:
 def _applies(workload: Workload, system: System) -> bool:
     if system.workloads:
         return workload.key in system.workloads
+    if workload.systems == "pgqueue":
+        return system.key == "pgqueue"
     if workload.systems == "processing":
         return True
     return system.key != "pgqueuer-b100"  # batch size only matters when processing

@@ -15,6 +15,7 @@ import shutil
 import statistics
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import psycopg
 
 from ..embedded import find_bindir
+from ..sql import queries
 from .processes import Adapter, CpuMeter, Databases, System, adapter, run_role
 
 POLL = 0.05
@@ -121,10 +123,13 @@ async def drain(
     processes: int,
     concurrency: int,
     sleep_ms: float = 0.0,
+    remaining_sql: str | None = None,
 ) -> dict[str, float | None]:
-    """Start workers on ``jobs`` waiting jobs and time them over the middle 90 %."""
+    """Start workers on ``jobs`` waiting jobs and time them over the middle 90 %. The jobs left
+    are counted by ``remaining_sql`` (default: the system's own count of unfinished jobs)."""
     from contextlib import AsyncExitStack
 
+    remaining = (remaining_sql or system.remaining_sql).encode()
     args = ["--concurrency", str(concurrency), "--sleep-ms", str(sleep_ms)]
     async with AsyncExitStack() as stack:
         workers = await _start_workers(ctx, system, dsn, processes, args, stack)
@@ -137,7 +142,7 @@ async def drain(
                 await worker.send("go")
             deadline = time.monotonic() + max(120.0, jobs / 50)
             while time.monotonic() < deadline:
-                row = conn.execute(system.remaining_sql.encode()).fetchone()
+                row = conn.execute(remaining).fetchone()
                 left = int(row[0]) if row else 0
                 now = time.perf_counter()
                 if (not marks and left <= high) or (len(marks) == 1 and left <= low):
@@ -184,6 +189,97 @@ async def depth(
         result = await drain(ctx, system, dsn, waiting, 1, concurrency)
     assert result["rate"] is not None and empty["rate"] is not None
     return {**result, "empty_rate": empty["rate"], "vs_empty": result["rate"] / empty["rate"]}
+
+
+#: Jobs due later, all of one priority above the jobs being drained (the default, 0), due an
+#: hour or more from now, as ``enqueue_many(..., delay=...)`` would leave them. Written by one
+#: INSERT: a million jobs through the producer would add ~15 s to every repetition.
+FILL_DELAYED = """
+INSERT INTO pgqueue_jobs (queue, task, args, priority, run_at)
+SELECT 'default', 'noop', jsonb_build_object('seq', -g), 10,
+       now() + interval '1 hour' + g * interval '1 ms'
+FROM generate_series(1, %(count)s) AS g
+"""
+#: The drained jobs left (priority 0, none of them delayed) and running ones: each count reads
+#: one partial index range, never the million delayed rows.
+DUE_REMAINING = (
+    "SELECT (SELECT count(*) FROM pgqueue_jobs"
+    "        WHERE status IN ('queued', 'retrying') AND priority = 0)"
+    " + (SELECT count(*) FROM pgqueue_jobs WHERE status = 'running')"
+)
+#: Claims timed, claims before them (psycopg prepares the statement after 5, and PostgreSQL tries
+#: 5 custom plans before it settles on the cached generic one), jobs per claim.
+CLAIM_SAMPLES, CLAIM_WARMUP, CLAIM_BATCH = 100, 15, 100
+
+
+def claim_ms(dsn: str) -> float:
+    """Median milliseconds of pgqueue's claim statement taking ``CLAIM_BATCH`` jobs, prepared and
+    on its cached plan as in the worker. Each batch is handed back (``release_leases``) in the
+    claim's transaction, so the queue stays as it was for the drain, and the commit, a disk
+    flush whose time has nothing to do with the claim, is not timed. (Rolling the claim back
+    instead would leave it unprepared: psycopg forgets its prepared statements at a ROLLBACK.)"""
+    q = queries("public")
+    timings = []
+    worker = uuid.uuid4()
+    with psycopg.connect(dsn) as conn:
+        # A claim takes jobs only for a worker whose lease is live.
+        conn.execute(
+            q.register_worker,
+            {"worker_id": worker, "host": "bench", "pid": 0, "queues": None, "concurrency": 1,
+             "lease": 3600.0},
+        )  # fmt: skip
+        conn.commit()
+        for n in range(CLAIM_WARMUP + CLAIM_SAMPLES):
+            token = uuid.uuid4()
+            params = {"worker_id": worker, "limit": CLAIM_BATCH, "token": token, "tasks": None}
+            began = time.perf_counter()
+            ids = [row[0] for row in conn.execute(q.claim_jobs, params)]
+            elapsed = time.perf_counter() - began
+            conn.execute(q.release_leases, {"ids": ids, "tokens": [token] * len(ids)})
+            conn.commit()
+            if len(ids) != CLAIM_BATCH:
+                raise RuntimeError(f"a claim took {len(ids)} jobs, not {CLAIM_BATCH}")
+            if n >= CLAIM_WARMUP:
+                timings.append(elapsed * 1000)
+    return statistics.median(timings)
+
+
+async def _drain_beside_delayed(
+    ctx: Context, system: System, ready: int, delayed: int, concurrency: int
+) -> dict[str, float | None]:
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        if delayed:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(FILL_DELAYED, {"count": delayed})
+        await _fill(ctx, system, dsn, ready)
+        _vacuum(dsn)
+        claim = claim_ms(dsn)
+        result = await drain(ctx, system, dsn, ready, 1, concurrency, remaining_sql=DUE_REMAINING)
+    return {**result, "claim_ms": claim}
+
+
+async def delayed(
+    ctx: Context, system: System, ready: int, delayed_jobs: int, concurrency: int
+) -> dict[str, float | None]:
+    """Claims and a burn-down of ``ready`` jobs with ``delayed_jobs`` jobs of a higher priority
+    due later in the table, against the same on an empty table just before: delayed jobs must not
+    slow the claims of due ones (pgqueue only: it times its own claim statement)."""
+    if system.family != "pgqueue":
+        raise ValueError(f"the delayed-jobs workload runs pgqueue only, not {system.label}")
+    empty = await _drain_beside_delayed(ctx, system, ready, 0, concurrency)
+    result = await _drain_beside_delayed(ctx, system, ready, delayed_jobs, concurrency)
+    rate, empty_rate = result["rate"], empty["rate"]
+    claim, empty_claim = result["claim_ms"], empty["claim_ms"]
+    assert rate is not None and empty_rate is not None
+    assert claim is not None and empty_claim is not None
+    return {
+        **result,
+        "empty_rate": empty_rate,
+        "vs_empty": rate / empty_rate,
+        "empty_claim_ms": empty_claim,
+        "claim_vs_empty": claim / empty_claim,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:

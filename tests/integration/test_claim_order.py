@@ -1,0 +1,234 @@
+"""Which jobs a claim takes, in which order, and what jobs that are not due yet cost it.
+
+A claim takes the due jobs (queued or retrying, ``run_at <= now()``) in the order
+``priority DESC, run_at, id``, skipping rows another session holds, and locks nothing beyond its
+batch. It walks the distinct priorities instead of the index entries, so delayed jobs of a
+higher priority, however many, cost it a few index descents (see claim_jobs in queries.sql).
+``next_ready_at`` tells an idle worker how long until the next delayed job is due.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pgqueue.sql import queries
+from tests.helpers import register_worker
+from tests.plans import Conn, buffers, claim_selection, explain
+
+QUEUES = ["a", "b", "c"]
+#: Few distinct values, so priorities and run_at tie often; the extremes of int4 included.
+PRIORITIES = [-(2**31), -7, 0, 1, 10, 2**31 - 1]
+STATUSES = ["queued", "queued", "retrying", "running", "succeeded", "dead"]
+#: Seconds from now: due (negative) or delayed (positive), never within a second of the claim.
+OFFSETS = [-3600, -60, -1, 1, 60, 3600]
+
+
+Row = tuple[str, int, str, int, bool]
+
+
+def job_rows(
+    priorities: st.SearchStrategy[int], min_size: int, max_size: int
+) -> st.SearchStrategy[list[Row]]:
+    return st.lists(
+        st.tuples(
+            st.sampled_from(QUEUES),
+            priorities,
+            st.sampled_from(STATUSES),
+            st.sampled_from(OFFSETS),
+            st.booleans(),  # held by another session while the claim runs
+        ),
+        min_size=min_size,
+        max_size=max_size,
+    )
+
+
+#: A handful of priorities (ties everywhere), and more distinct priorities than the claim walks
+#: one by one (32) before it scans the rest.
+LAYOUTS = {
+    "few priorities": job_rows(st.sampled_from(PRIORITIES), 0, 40),
+    "many priorities": job_rows(st.integers(-60, 60), 80, 160),
+}
+queue_lists = st.one_of(
+    st.none(), st.lists(st.sampled_from([*QUEUES, "d"]), min_size=1, max_size=3, unique=True)
+)
+
+REFERENCE = """
+SELECT id FROM pgqueue_jobs
+WHERE status IN ('queued', 'retrying') AND run_at <= now()
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+ORDER BY priority DESC, run_at, id
+"""
+
+
+def fill(conn: Conn, rows: list[Row]) -> list[int]:
+    """The rows as jobs (in list order, so ids follow it); their ids."""
+    conn.execute("TRUNCATE pgqueue_jobs")
+    if not rows:
+        return []
+    queues, priorities, statuses, offsets, _ = map(list, zip(*rows, strict=True))
+    inserted = conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority, status, run_at)"
+        " SELECT q, 't', p, s::pgqueue_status, now() + make_interval(secs => o)"
+        " FROM unnest(%s::text[], %s::int[], %s::text[], %s::int[]) WITH ORDINALITY"
+        "      AS r(q, p, s, o, n) ORDER BY n RETURNING id",
+        (queues, priorities, statuses, offsets),
+    ).fetchall()
+    return sorted(r[0] for r in inserted)
+
+
+#: The claiming worker: registered (with a live lease) by each test that claims.
+WORKER = uuid.uuid4()
+
+
+def claim_params(limit: int, queues: list[str] | None) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "worker_id": WORKER,
+        "limit": limit,
+        "token": uuid.uuid4(),
+        "tasks": None,
+    }
+    if queues is not None:
+        params["queues"] = queues
+    return params
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
+    conn: Conn, dsn: str, layout: str
+) -> None:
+    """Against a plain SELECT in claim order, for random mixes of priorities, statuses, due and
+    delayed rows, queue lists, and rows held by a concurrent claimer: the same jobs in the same
+    order, and the rows locked are exactly the batch; on a generic plan (as a worker's cached
+    claim runs) and on a custom one."""
+    q = queries("public")
+    register_worker(conn, WORKER)
+    with psycopg.connect(dsn) as claimer, psycopg.connect(dsn) as other:
+
+        def claim(ids: list[int], held: list[int], limit: int, queues: list[str] | None,
+                  mode: str) -> None:  # fmt: skip
+            try:
+                other.execute("SELECT id FROM pgqueue_jobs WHERE id = ANY(%s) FOR UPDATE", (held,))
+                claimer.execute(f"SET LOCAL plan_cache_mode = {mode}".encode())
+                reference = claimer.execute(REFERENCE, {"queues": queues}).fetchall()
+                expected = [r[0] for r in reference if r[0] not in held][:limit]
+                statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+                params = claim_params(limit, queues)
+                claimed = [r[0] for r in claimer.execute(statement, params, prepare=True)]
+                assert claimed == expected, mode
+                # The other session sees every row but the claimed ones free (its own it holds).
+                free = other.execute("SELECT id FROM pgqueue_jobs FOR UPDATE SKIP LOCKED")
+                assert set(ids) - {r[0] for r in free} == set(claimed), mode
+            finally:
+                claimer.rollback()
+                other.rollback()
+
+        @settings(max_examples=100, deadline=None, database=None)
+        @given(rows=LAYOUTS[layout], limit=st.integers(1, 60), queues=queue_lists)
+        def same_as_the_plain_select(rows: list[Row], limit: int, queues: list[str] | None) -> None:
+            ids = fill(conn, rows)
+            held = [i for i, row in zip(ids, rows, strict=True) if row[4]]
+            for mode in ("force_generic_plan", "force_custom_plan"):
+                claim(ids, held, limit, queues, mode)
+
+        same_as_the_plain_select()
+
+
+DELAYED = 500_000
+
+
+def test_delayed_jobs_of_higher_priority_cost_a_claim_almost_nothing(conn: Conn) -> None:
+    """Half a million delayed jobs above the due ones (two priorities, two queues) cost finding
+    and locking a batch a scan of all of them before the fix (4,637 buffers here instead of
+    ~230-420; 4,400 and 38 ms a claim in the report); now a few index descents, in every variant
+    of the claim."""
+    register_worker(conn, WORKER)
+    q = queries("public")
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority)"
+        " SELECT CASE WHEN g % 2 = 0 THEN 'a' ELSE 'b' END, 't', g % 3 - 1"
+        " FROM generate_series(1, 30000) AS g"
+    )
+    conn.execute("VACUUM ANALYZE pgqueue_jobs")
+    claims: dict[str, tuple[bytes, list[str] | None]] = {
+        "claim_jobs": (q.claim_jobs, None),
+        "claim_jobs_in_queues, one queue": (q.claim_jobs_in_queues, ["a"]),
+        "claim_jobs_in_queues, two queues": (q.claim_jobs_in_queues, ["a", "b"]),
+    }
+
+    def cost() -> dict[str, int]:
+        found = {}
+        for name, (statement, queues) in claims.items():
+            # claim_jobs runs on its cached generic plan, claim_jobs_in_queues on custom ones.
+            plan = explain(conn, statement, claim_params(200, queues), generic=queues is None)
+            assert plan["Actual Rows"] == 200, name
+            found[name] = buffers(claim_selection(plan))
+        return found
+
+    empty = cost()
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority, run_at)"
+        " SELECT CASE WHEN g %% 5 = 0 THEN 'c' ELSE 'a' END, 't', 10 - g %% 2 * 5,"
+        "        now() + interval '1 hour' + g * interval '1 ms'"
+        " FROM generate_series(1, %s) AS g",
+        (DELAYED,),
+    )
+    conn.execute("VACUUM ANALYZE pgqueue_jobs")
+    delayed = cost()
+    for name in claims:
+        # A deeper index, one descent per priority: a few dozen buffers at most.
+        assert delayed[name] <= empty[name] + 60, (name, empty, delayed)
+
+
+NEXT_READY_REFERENCE = """
+SELECT extract(epoch FROM min(run_at) - now())::float8 FROM pgqueue_jobs
+WHERE status IN ('queued', 'retrying') AND run_at > now()
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+"""
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_next_ready_at_is_the_earliest_future_run_at_among_waiting_jobs(
+    conn: Conn, layout: str
+) -> None:
+    """Against a plain min(run_at) on the same snapshot and clock, for random mixes: the
+    earliest delayed job of any priority (of the listed queues), NULL when none is delayed."""
+    q = queries("public")
+
+    @settings(max_examples=80, deadline=None, database=None)
+    @given(rows=LAYOUTS[layout], queues=queue_lists)
+    def same_as_min(rows: list[Row], queues: list[str] | None) -> None:
+        fill(conn, rows)
+        statement = q.next_ready_at if queues is None else q.next_ready_at_in_queues
+        params = {"queues": queues}
+        with conn.transaction(force_rollback=True):  # one transaction: one now() for both
+            (expected,) = conn.execute(NEXT_READY_REFERENCE, params).fetchone() or (None,)
+            (found,) = conn.execute(statement, params).fetchone() or (None,)
+        assert found == expected
+
+    same_as_min()
+
+
+def test_next_ready_at_counts_the_first_future_job_behind_due_ones(conn: Conn) -> None:
+    """Due jobs ahead of a delayed one in the same priority do not hide it; running and
+    finished jobs, and other queues with the list variant, do not count."""
+    q = queries("public")
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, priority, run_at, status) VALUES"
+        " ('a', 't', 5, now() - interval '1 minute', 'queued'),"
+        " ('a', 't', 5, now() + interval '90 seconds', 'queued'),"
+        " ('a', 't', 9, now() + interval '10 seconds', 'running'),"
+        " ('a', 't', 1, now() + interval '1 hour', 'retrying'),"
+        " ('b', 't', 1, now() + interval '30 seconds', 'queued')"
+    )
+    (all_queues,) = conn.execute(q.next_ready_at).fetchone() or (None,)
+    assert 25 < all_queues <= 30
+    (in_a,) = conn.execute(q.next_ready_at_in_queues, {"queues": ["a"]}).fetchone() or (None,)
+    assert 85 < in_a <= 90
+    (in_c,) = conn.execute(q.next_ready_at_in_queues, {"queues": ["c"]}).fetchone() or (None,)
+    assert in_c is None
