@@ -16,6 +16,18 @@ from .errors import ConfigurationError, DatabaseUnavailableError
 
 _SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,49}$")
 
+#: Detect a dead peer within about 15 s instead of hours: keepalives for an idle connection,
+#: tcp_user_timeout for one whose bytes go unacknowledged, and a bounded connect. Workers and
+#: producers set them on their connections (the DSN can override the producers').
+KEEPALIVES: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 5,
+    "tcp_user_timeout": 15000,
+    "connect_timeout": 10,
+}
+
 
 def resolve_dsn(dsn: str | None = None) -> str:
     """The DSN argument, else ``$PGQUEUE_DSN``, else ``$DATABASE_URL``."""

@@ -57,12 +57,8 @@ APPLICATION_NAME = "pgqueue-producer"
 #: with them it fails within about 15 s, and a connect within 10 s.
 DEFAULTS: dict[str, tuple[str | None, Any]] = {
     "application_name": ("PGAPPNAME", APPLICATION_NAME),
-    "connect_timeout": ("PGCONNECT_TIMEOUT", 10),
-    "keepalives": (None, 1),
-    "keepalives_idle": (None, 5),
-    "keepalives_interval": (None, 2),
-    "keepalives_count": (None, 5),
-    "tcp_user_timeout": (None, 15000),
+    **{key: (None, value) for key, value in db.KEEPALIVES.items()},
+    "connect_timeout": ("PGCONNECT_TIMEOUT", db.KEEPALIVES["connect_timeout"]),
 }
 
 

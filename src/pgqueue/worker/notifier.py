@@ -26,17 +26,6 @@ from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.notifier")
 
-#: Detect a dead peer within about 15 s instead of hours: keepalives for an idle connection,
-#: tcp_user_timeout for one whose bytes go unacknowledged, and a bounded connect.
-KEEPALIVES: dict[str, Any] = {
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 5,
-    "tcp_user_timeout": 15000,
-    "connect_timeout": 10,
-}
-
 #: First re-check of unsettled producers after announcing; it doubles up to the poll interval or
 #: SETTLE_RECHECK_MAX, whichever is shorter (a long producer transaction costs a claim a second).
 SETTLE_RECHECK = 0.005

@@ -29,7 +29,7 @@ from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .heartbeat import Heartbeat
-from .notifier import KEEPALIVES, Notifier
+from .notifier import Notifier
 from .reaper import Reaper
 from .scheduler import Scheduler
 from .slots import JobRun, Slots
@@ -200,7 +200,7 @@ class Worker:
             return {
                 "autocommit": True,
                 "application_name": f"{name}:{role}",
-                **KEEPALIVES,
+                **db.KEEPALIVES,
                 **self.app.connect_options,
             }
 
