@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -156,7 +155,7 @@ def test_bulk_insert_notifies_once_per_queue_without_arguments(
         for i in range(10_000)
     ]
     assert app.enqueue_many(jobs, allow_unknown=True) == 10_000
-    got = notifications(listener)
+    got = notifications(listener, expected=2)
     assert sorted(got) == [("pgqueue", "a"), ("pgqueue", "b")]
 
 
@@ -166,7 +165,7 @@ def test_queue_names_longer_than_a_channel_name_still_notify(
     queue = "é" * 100  # 200 bytes in UTF-8; channel names stop at 63 bytes
     assert len(queue.encode()) == 200
     app.enqueue("t", {}, queue=queue, allow_unknown=True)
-    assert notifications(listener) == [("pgqueue", queue)]
+    assert notifications(listener, expected=1) == [("pgqueue", queue)]
 
 
 def test_delayed_jobs_do_not_notify(app: pgqueue.App, listener: Conn) -> None:
@@ -174,7 +173,7 @@ def test_delayed_jobs_do_not_notify(app: pgqueue.App, listener: Conn) -> None:
     app.enqueue_many([{"task": "t", "delay": 60}], allow_unknown=True)
     assert notifications(listener) == []
     app.enqueue("t", {}, queue="now", allow_unknown=True)
-    assert notifications(listener) == [("pgqueue", "now")]
+    assert notifications(listener, expected=1) == [("pgqueue", "now")]
 
 
 def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
@@ -182,9 +181,7 @@ def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
     try:
         app.migrate()
         with listening(empty_dsn, "jobs_y", waiting=True) as listener:
-            start = time.monotonic()
             app.enqueue("t", {}, queue="q", allow_unknown=True)
-            assert notifications(listener) == [("pgqueue_jobs_y", "q")]
-            assert time.monotonic() - start < 5
+            assert notifications(listener, expected=1) == [("pgqueue_jobs_y", "q")]
     finally:
         app.close()
