@@ -108,7 +108,9 @@ def test_a_deep_backlogs_older_sample_still_stands_for_the_current_depth(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
     conn.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('a', 't')")
-    old = 4 * stats.DEPTH_ROWS_PER_SECOND  # a sample this deep holds for 4 seconds
+    # A sample this deep holds for a minute: five seconds old, it still stands however long a
+    # loaded machine takes to read (one holding for 4 s stood only within the second planted).
+    old = 60 * stats.DEPTH_ROWS_PER_SECOND
     conn.execute(
         "INSERT INTO pgqueue_depth (bucket, queue, queued, retrying, running)"
         " VALUES (date_trunc('second', now()) - interval '5 seconds', 'a', %s, 0, 0)",
