@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import pgqueue
 from pgqueue import InvalidJobError, Status, UnknownTaskError, producer
-from tests.helpers import listening, notifications
+from tests.helpers import listening, notifications, wait_until
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -369,6 +369,14 @@ def test_arguments_round_trip_through_insert_and_copy(app: pgqueue.App) -> None:
             ).fetchone()
         assert row is not None and row[0] == args
 
+    # The producer's pool opens its connections in background threads, and psycopg_pool draws
+    # each one's expiry jitter from the global random module; hypothesis fails a run if that
+    # state changes while it draws an example (on a loaded machine the first enqueue's second
+    # connection was still opening). Open the pool and let it settle first.
+    with app.connection():
+        pass
+    pool = app._sync_pool()
+    wait_until(lambda: (s := pool.get_stats())["pool_size"] == s["pool_available"])
     round_trip()
 
 
