@@ -87,3 +87,16 @@ def plant(conn: psycopg.Connection[Any], *, xss: bool = False) -> None:
         " now() - interval '8 minutes')",
         {"e": evil},
     )
+
+
+def planted_retries_in_the_minute_to(conn: psycopg.Connection[Any], end: int) -> int:
+    """Retries the planted statistics hold in the retry tile's window: the 60 seconds up to
+    ``end``, a reading's own second. 59 when read in the second of planting; a loaded machine
+    that reads a second or two later sees fewer, and that is right (the window moved on)."""
+    row = conn.execute(
+        "SELECT coalesce(sum(retried), 0)::int FROM pgqueue_stats"
+        " WHERE extract(epoch FROM bucket)::bigint BETWEEN %s AND %s",
+        (end - 59, end),
+    ).fetchone()
+    assert row is not None and row[0] > 0, "the reading came more than a minute after planting"
+    return int(row[0])

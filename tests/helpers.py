@@ -1,4 +1,9 @@
-"""Waiting on conditions with deadlines (never sleep-and-hope), and running workers in tests."""
+"""Waiting on conditions with deadlines (never sleep-and-hope), and running workers in tests.
+
+Deadlines are generous (30 s by default): they cost time only when a test fails, and a loaded
+2-core machine (two test processes, the workers, PostgreSQL and whatever else runs) can take
+seconds for what takes milliseconds alone.
+"""
 
 from __future__ import annotations
 
@@ -59,14 +64,29 @@ def listening(
         yield conn
 
 
-def notifications(listener: psycopg.Connection[Any], wait: float = 0.3) -> list[tuple[str, str]]:
-    """(channel, payload) of what arrives within ``wait`` seconds."""
-    return [(n.channel, n.payload) for n in listener.notifies(timeout=wait)]
+def notifications(
+    listener: psycopg.Connection[Any], wait: float = 0.3, *, expected: int = 0
+) -> list[tuple[str, str]]:
+    """(channel, payload) of what arrives: the ``expected`` number of notifications, however
+    long a loaded machine takes to deliver them (up to 30 s), then whatever else comes within
+    ``wait`` seconds (extras a test must see, or with expected=0 one that must not come)."""
+    got = []
+    if expected:
+        got = [(n.channel, n.payload) for n in listener.notifies(timeout=30, stop_after=expected)]
+    return got + [(n.channel, n.payload) for n in listener.notifies(timeout=wait)]
+
+
+def db_clock(conn: psycopg.Connection[Any]) -> float:
+    """The database's now() as epoch seconds: bracket a write between two readings to check
+    the times it stored, however long a loaded machine took around it."""
+    row = conn.execute("SELECT extract(epoch FROM now())::float8").fetchone()
+    assert row is not None
+    return float(row[0])
 
 
 def wait_until(
     predicate: Callable[[], Any],
-    timeout: float = 10.0,
+    timeout: float = 30.0,
     interval: float = 0.02,
     what: str | None = None,
 ) -> Any:
@@ -81,7 +101,7 @@ def wait_until(
 
 
 async def wait_until_async(
-    predicate: Callable[[], Any | Awaitable[Any]], timeout: float = 10.0, interval: float = 0.02
+    predicate: Callable[[], Any | Awaitable[Any]], timeout: float = 30.0, interval: float = 0.02
 ) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -102,7 +122,7 @@ async def running_worker(app: pgqueue.App, **options: Any) -> AsyncIterator[Work
     worker = app.worker(**options)
     task = asyncio.create_task(worker.run())
     try:
-        await wait_until_async(lambda: worker.started.is_set() or task.done(), timeout=15)
+        await wait_until_async(lambda: worker.started.is_set() or task.done(), timeout=30)
         if task.done():
             task.result()
         yield worker

@@ -219,10 +219,13 @@ def cmdline(pid: int) -> str:
 
 @pytest.mark.skipif(import_pgserver() is None, reason="needs pgqueue[embedded] (CPython <= 3.12)")
 @pytest.mark.timeout(300)
-def test_demo_falls_back_to_pgservers_postgresql() -> None:
+def test_demo_falls_back_to_pgservers_postgresql(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "pgqueue.cli", "demo", "--postgres", "pgserver",
             "--port", str(free_port())]  # fmt: skip
-    with running_demo(args, cwd=ROOT, env=clean_env()) as demo:
+    # pgserver keeps a lock file in the user's runtime directory, which is $TMPDIR/runtime-UID
+    # where no XDG_RUNTIME_DIR is set: the test's own directory then, not one left behind.
+    env = clean_env(XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR") or str(tmp_path))
+    with running_demo(args, cwd=ROOT, env=env) as demo:
         exercise_and_stop(demo, startup_timeout=120)
     assert "pgserver" in demo.output
     assert demo.proc.returncode == 0, demo.output

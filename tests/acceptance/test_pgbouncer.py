@@ -163,8 +163,10 @@ def test_transaction_pooling_works_on_any_version_without_prepared_statements(
         env = {"PGQUEUE_PREPARED_STATEMENTS": "off"}
         procs = WorkerProcesses(through, APP, tmp_path, env)
         try:
+            # Heartbeats (and reaper rounds) every 0.1 s; a lease long enough that a loaded
+            # machine's pause is not a lost lease (attempts stay 1).
             procs.start("--no-listen", "--poll-interval", "0.05", "--concurrency", "2",
-                        "--lease", "1", "--heartbeat-interval", "0.1")  # fmt: skip
+                        "--lease", "5", "--heartbeat-interval", "0.1")  # fmt: skip
             for round_ in range(1, 4):
                 for _ in range(40):
                     producer.enqueue("greet", {"name": "x"}, allow_unknown=True)

@@ -273,7 +273,7 @@ def test_a_second_signal_exits_at_once(
     worker.send_signal(signal.SIGTERM)
     wait_until(lambda: "stopping: no new claims" in workers.output())
     worker.send_signal(signal.SIGTERM)
-    assert worker.wait(10) == 1  # without waiting out the 600 s grace period
+    assert worker.wait(30) == 1  # without waiting out the 600 s grace period
 
 
 @pytest.fixture

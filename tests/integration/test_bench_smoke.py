@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +14,25 @@ from pgqueue.bench.processes import find_postmaster
 from tests.conftest import Server
 
 
-def bench(server: Server, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def bench(
+    server: Server, tmp: Path, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``pgqueue bench`` with ``tmp`` as its temporary directory, so a test sees what it leaves."""
     return subprocess.run(
         [sys.executable, "-m", "pgqueue.cli", "bench", "--dsn", server.admin_dsn, *args],
         capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "TMPDIR": str(tmp)},
     )  # fmt: skip
 
 
 @pytest.mark.slow
-def test_bench_runs_and_prints_json(pg_server: Server) -> None:
+def test_bench_runs_and_prints_json(pg_server: Server, tmp_path: Path) -> None:
     out = bench(
-        pg_server, "--quick", "--reps", "1", "--only", "enqueue_4,enqueue_bulk,latency_notify",
-        "--json",
+        pg_server, tmp_path, "--quick", "--reps", "1",
+        "--only", "enqueue_4,enqueue_bulk,latency_notify", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []  # the adapter logs went with the run that succeeded
     report = json.loads(out.stdout)
     medians = report["medians"]
     assert medians["enqueue_bulk"]["pgqueue"]["rate"] > 0
@@ -48,8 +54,10 @@ def test_bench_runs_and_prints_json(pg_server: Server) -> None:
 
 
 @pytest.mark.slow
-def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(pg_server: Server) -> None:
-    out = bench(pg_server, "--quick", "--reps", "1", "--only", "depth", "--json")
+def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(
+    pg_server: Server, tmp_path: Path
+) -> None:
+    out = bench(pg_server, tmp_path, "--quick", "--reps", "1", "--only", "depth", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = json.loads(out.stdout)["runs"]["depth"]["pgqueue"]
     assert run["rate"] > 0 and run["empty_rate"] > 0
@@ -57,8 +65,10 @@ def test_bench_depth_compares_with_the_same_jobs_on_an_empty_table(pg_server: Se
 
 
 @pytest.mark.slow
-def test_bench_delayed_compares_claims_with_and_without_delayed_jobs(pg_server: Server) -> None:
-    out = bench(pg_server, "--quick", "--reps", "1", "--only", "delayed", "--json")
+def test_bench_delayed_compares_claims_with_and_without_delayed_jobs(
+    pg_server: Server, tmp_path: Path
+) -> None:
+    out = bench(pg_server, tmp_path, "--quick", "--reps", "1", "--only", "delayed", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert set(report["runs"]["delayed"]) == {"pgqueue"}  # the peers and variants do not run it
@@ -69,8 +79,8 @@ def test_bench_delayed_compares_claims_with_and_without_delayed_jobs(pg_server: 
     assert run["claim_vs_empty"] == pytest.approx(run["claim_ms"] / run["empty_claim_ms"])
 
 
-def test_bench_peers_need_the_adapters(pg_server: Server) -> None:
-    out = bench(pg_server, "--peers", "--peers-dir", "/nonexistent", timeout=60)
+def test_bench_peers_need_the_adapters(pg_server: Server, tmp_path: Path) -> None:
+    out = bench(pg_server, tmp_path, "--peers", "--peers-dir", "/nonexistent", timeout=60)
     assert out.returncode == 1
     assert "no peer adapters" in out.stderr
     assert "Traceback" not in out.stderr

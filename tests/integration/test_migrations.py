@@ -161,7 +161,7 @@ def test_bulk_insert_notifies_once_per_queue_without_arguments(
         for i in range(10_000)
     ]
     assert app.enqueue_many(jobs, allow_unknown=True) == 10_000
-    got = notifications(listener)
+    got = notifications(listener, expected=2)
     assert sorted(got) == [("pgqueue", "a"), ("pgqueue", "b")]
 
 
@@ -171,7 +171,7 @@ def test_queue_names_longer_than_a_channel_name_still_notify(
     queue = "é" * 100  # 200 bytes in UTF-8; channel names stop at 63 bytes
     assert len(queue.encode()) == 200
     app.enqueue("t", {}, queue=queue, allow_unknown=True)
-    assert notifications(listener) == [("pgqueue", queue)]
+    assert notifications(listener, expected=1) == [("pgqueue", queue)]
 
 
 def test_delayed_jobs_notify_too(app: pgqueue.App, listener: Conn) -> None:
@@ -179,9 +179,9 @@ def test_delayed_jobs_notify_too(app: pgqueue.App, listener: Conn) -> None:
     enqueued to run later as well (migration 0005)."""
     app.enqueue("t", {}, queue="later", delay=60, allow_unknown=True)
     app.enqueue_many([{"task": "t", "queue": "bulk-later", "delay": 60}], allow_unknown=True)
-    assert notifications(listener) == [("pgqueue", "later"), ("pgqueue", "bulk-later")]
+    assert notifications(listener, expected=2) == [("pgqueue", "later"), ("pgqueue", "bulk-later")]
     app.enqueue("t", {}, queue="now", allow_unknown=True)
-    assert notifications(listener) == [("pgqueue", "now")]
+    assert notifications(listener, expected=1) == [("pgqueue", "now")]
 
 
 def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
@@ -189,10 +189,8 @@ def test_custom_schema_notifies_on_its_own_channel(empty_dsn: str) -> None:
     try:
         app.migrate()
         with listening(empty_dsn, "jobs_y", waiting=True) as listener:
-            start = time.monotonic()
             app.enqueue("t", {}, queue="q", allow_unknown=True)
-            assert notifications(listener) == [("pgqueue_jobs_y", "q")]
-            assert time.monotonic() - start < 5
+            assert notifications(listener, expected=1) == [("pgqueue_jobs_y", "q")]
     finally:
         app.close()
 

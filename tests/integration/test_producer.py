@@ -285,7 +285,7 @@ def test_requeue_resets_a_dead_or_cancelled_job_and_wakes_listeners(
     _set_status(conn, job_id, status)
     with listening(dsn) as listener:  # a requeue notifies whether or not a worker waits
         assert app.requeue(job_id) is True
-        notes = notifications(listener, wait=0.5)
+        notes = notifications(listener, expected=1)
     assert notes == [("pgqueue", "rq")]
     job = app.get_job(job_id)
     assert job is not None

@@ -14,6 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 import pgqueue
 from pgqueue.schedules_cli import schedules_command
 from pgqueue.worker.scheduler import Scheduler
+from tests.helpers import wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -197,6 +198,13 @@ async def test_concurrent_ticks_fire_each_tick_exactly_once(dsn: str, conn: Conn
     assert sum(s.fired for s in schedulers) == len(fired)
 
 
+def waits_on_a_lock(conn: Conn, pid: int) -> bool:
+    row = conn.execute(
+        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+    ).fetchone()
+    return row is not None and bool(row[0])
+
+
 async def test_unique_key_refuses_a_second_job_for_the_same_tick(
     app: pgqueue.App, conn: Conn
 ) -> None:
@@ -217,8 +225,8 @@ async def test_unique_key_refuses_a_second_job_for_the_same_tick(
         async with a.transaction():
             first = await (await a.execute(app.q.insert_schedule_jobs, params)).fetchall()
             second = asyncio.create_task(insert_in_b())
-            await asyncio.sleep(0.2)  # b now waits on a's uncommitted index entry
-            assert not second.done()
+            await wait_until_async(lambda: waits_on_a_lock(conn, b.info.backend_pid))
+            assert not second.done()  # b waits on a's uncommitted index entry
         inserted_by_b = await asyncio.wait_for(second, 10)
     finally:
         await a.close()

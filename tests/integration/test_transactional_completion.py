@@ -47,8 +47,10 @@ async def test_async_handler_writes_commit_with_the_ack(app: pgqueue.App, effect
     job_id = charge.enqueue(amount=7)  # the connection is filled by the worker, not enqueued
     async with running_worker(app, **FAST) as worker:
         await wait_until_async(lambda: job(effects, job_id)[0] == "succeeded")
-        assert worker.state is not None
-        assert worker.state.counters.succeeded == 1
+        state = worker.state
+        assert state is not None
+        # Counted once the COMMIT's reply is in, which can come after the row shows succeeded.
+        await wait_until_async(lambda: state.counters.succeeded == 1)
         assert worker.completer.writes == 0  # the ack went out in the handler's transaction
     assert job(effects, job_id)[:3] == ("succeeded", 1, {"amount": 7})
     assert effect_rows(effects) == [(job_id, "charged 7")]
@@ -102,7 +104,8 @@ async def test_lost_lease_rolls_back_the_handlers_writes(app: pgqueue.App, effec
         finish.set()
         assert worker.state is not None
         state = worker.state
-        await wait_until_async(lambda: state.counters.stale_writes == 1)
+        # Sooner than the next heartbeat (30 s): the ack, not a heartbeat, found the lease gone.
+        await wait_until_async(lambda: state.counters.stale_writes == 1, timeout=20)
         assert state.counters.succeeded == 0
     assert effect_rows(effects) == []
     assert job(effects, job_id)[:3] == ("running", 1, None)

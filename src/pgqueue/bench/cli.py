@@ -32,7 +32,8 @@ def _default_peers_venv() -> Path:
               help="Render a report saved with --save instead of running.")  # fmt: skip
 @click.option("--save", type=click.Path(path_type=Path), default=None,
               help="Also write the JSON report to this file.")  # fmt: skip
-@click.option("--logs", type=click.Path(path_type=Path), default=None, help="Adapter logs here.")
+@click.option("--logs", type=click.Path(path_type=Path), default=None,
+              help="Keep the adapter logs here (default: kept only if the run fails).")  # fmt: skip
 def bench_command(
     dsn: str | None,
     peers: bool,

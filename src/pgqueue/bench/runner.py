@@ -322,7 +322,28 @@ async def _info(system: System, logdir: Path) -> None:
 async def run(
     admin_dsn: str, plan: Plan, systems: list[System], console: Console, logdir: Path | None
 ) -> Results:
-    logdir = logdir or Path(tempfile.mkdtemp(prefix="pgqueue-bench-"))
+    """Every planned run. Adapter logs go to ``logdir``; without one, to a temporary directory
+    that is kept (and named) only when the run fails, since only then is there a log to read."""
+    if logdir is not None:
+        results = await _run_all(admin_dsn, plan, systems, console, logdir)
+        console.print(f"[dim]adapter logs: {logdir}[/dim]")
+        return results
+    scratch = Path(tempfile.mkdtemp(prefix="pgqueue-bench-"))
+    try:
+        results = await _run_all(admin_dsn, plan, systems, console, scratch)
+    except Exception:
+        console.print(f"adapter logs kept in {scratch}")
+        raise
+    except BaseException:  # interrupted (Ctrl-C): no failure to read about
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+async def _run_all(
+    admin_dsn: str, plan: Plan, systems: list[System], console: Console, logdir: Path
+) -> Results:
     databases = Databases(admin_dsn)
     ctx = workloads.Context(databases, CpuMeter(find_postmaster(admin_dsn)), logdir)
     results = Results(plan, systems, settings=databases.settings())
@@ -355,7 +376,6 @@ async def run(
                 workloads.ceiling, ctx, 4, plan.ceiling_seconds, 100
             )
         progress.advance(bar)
-    console.print(f"[dim]adapter logs: {logdir}[/dim]")
     return results
 
 
