@@ -119,3 +119,14 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
     """An autocommit connection to the test's database, for assertions in SQL."""
     with psycopg.connect(dsn, autocommit=True) as connection:
         yield connection
+
+
+@pytest.fixture
+def prefetch_learned_over_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetch target is what finished in the last PREFETCH_WINDOW (50 ms). On a loaded
+    machine a window can end with one fast job finished or none; then, as designed, nothing is
+    prefetched behind a slow job, and a test's blocker would have nothing waiting behind it.
+    Over a second, the fast jobs before it always teach the worker to prefetch."""
+    from pgqueue.worker import fetcher
+
+    monkeypatch.setattr(fetcher, "PREFETCH_WINDOW", 1.0)

@@ -224,6 +224,7 @@ def prefetching_jobs(app: pgqueue.App, release: asyncio.Event, ran: dict[int, fl
     app.enqueue_many([("work", {"n": n}) for n in range(301, 305)])
 
 
+@pytest.mark.usefixtures("prefetch_learned_over_a_second")
 async def test_jobs_handed_back_at_shutdown_wake_an_idle_worker(
     app: pgqueue.App, conn: Conn
 ) -> None:
@@ -249,6 +250,7 @@ async def test_jobs_handed_back_at_shutdown_wake_an_idle_worker(
     assert max(ran.values()) - stopped < 5  # the poll is a minute away
 
 
+@pytest.mark.usefixtures("prefetch_learned_over_a_second")
 async def test_handed_back_jobs_notify_waiting_workers(app: pgqueue.App, dsn: str) -> None:
     release = asyncio.Event()
     ran: dict[int, float] = {}

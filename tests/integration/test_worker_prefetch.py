@@ -11,7 +11,6 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
-from pgqueue.worker import fetcher
 from pgqueue.worker.reaper import PRUNE_BATCH, Reaper
 from pgqueue.worker.state import Phase, WorkerState
 from tests.helpers import running_worker, wait_until_async
@@ -50,15 +49,6 @@ async def test_prefetch_never_holds_more_than_concurrency_plus_prefetch(
     assert peak <= 4 + 3
     assert peak_prefetched > 0  # short jobs were in fact claimed ahead of free slots
     assert statuses(conn) == {"succeeded": 600}
-
-
-@pytest.fixture
-def prefetch_learned_over_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prefetch target is what finished in the last PREFETCH_WINDOW (50 ms). On a loaded
-    machine a window can end with one fast job finished or none; then, as designed, nothing is
-    prefetched behind a slow job, and the blocker below would have nothing waiting behind it.
-    Over a second, the fast jobs before it always teach the worker to prefetch."""
-    monkeypatch.setattr(fetcher, "PREFETCH_WINDOW", 1.0)
 
 
 async def _worker_with_prefetched_jobs(
