@@ -209,6 +209,10 @@ async def test_a_job_enqueued_to_run_later_starts_when_due(app: pgqueue.App, con
     assert pickup is not None and 0 <= pickup < 4, pickup
 
 
+#: A worker that polls often: it re-reads its completion rate at each tick (see fetcher).
+BUSY = {**NO_POLL, "poll_interval": 0.2}
+
+
 def prefetching_jobs(app: pgqueue.App, release: asyncio.Event, ran: dict[int, float]) -> None:
     """Fast jobs first (so a worker learns to prefetch), then one that blocks its only slot,
     then jobs that wait behind it in its buffer."""
@@ -231,7 +235,9 @@ async def test_jobs_handed_back_at_shutdown_wake_an_idle_worker(
     release = asyncio.Event()
     ran: dict[int, float] = {}
     prefetching_jobs(app, release, ran)
-    async with running_worker(app, concurrency=1, prefetch=4, **NO_POLL) as busy:
+    # The busy worker polls, so that it re-reads its completion rate and prefetches; the idle
+    # one, whose wake-up this is about, polls once a minute.
+    async with running_worker(app, concurrency=1, prefetch=4, **BUSY) as busy:
         state = busy.state
         assert state is not None
         await wait_until_async(
@@ -256,7 +262,7 @@ async def test_handed_back_jobs_notify_waiting_workers(app: pgqueue.App, dsn: st
     ran: dict[int, float] = {}
     prefetching_jobs(app, release, ran)
     with contextlib.ExitStack() as stack:
-        async with running_worker(app, concurrency=1, prefetch=4, grace_period=0.1, **NO_POLL) as w:
+        async with running_worker(app, concurrency=1, prefetch=4, grace_period=0.1, **BUSY) as w:
             state = w.state
             assert state is not None
             await wait_until_async(
