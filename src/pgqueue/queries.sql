@@ -68,12 +68,62 @@ SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
 GROUP BY queue, status ORDER BY queue, status
 
 -- name: claim_jobs
--- One statement claims a batch: due jobs in the order priority DESC, run_at, id. SKIP LOCKED lets
--- any number of workers claim at once without waiting on each other. Each claim gets a fresh
--- lease token: the fencing token for every later write. The worker draws it (a random UUID per
--- statement, shared by the jobs of that claim): fencing needs (id, token) to change at every
--- claim of a job, which it does, and gen_random_uuid() per row cost ~1.4 us of the server's time
--- per job here, plus parsing a returned UUID per row.
+-- One statement claims a batch: due jobs in the order priority DESC, run_at, id. The inner SELECT
+-- is a range scan of pgqueue_jobs_ready_idx in exactly its order; SKIP LOCKED lets any number of
+-- workers claim at once without waiting on each other. Jobs not due yet of a higher priority lie
+-- in that range too and are read past (500,000 of them cost every claim 38 ms): while any job is
+-- not due yet the fetcher claims with claim_jobs_by_priority instead, which skips them.
+-- Each claim gets a fresh lease token: the fencing token for every later write. The worker draws
+-- it (a random UUID per statement, shared by the jobs of that claim): fencing needs (id, token) to
+-- change at every claim of a job, which it does, and gen_random_uuid() per row cost ~1.4 us of
+-- the server's time per job here, plus parsing a returned UUID per row.
+-- The claimed jobs' lease is the worker's own (pgqueue_workers.lease_expires_at, extended by
+-- extend_leases), so the claim takes nothing unless that lease is live: a worker whose heartbeats
+-- stopped reaching the database never claims jobs that any reaper may take back at once (the
+-- EXISTS is a one-time filter, evaluated once per claim). %(tasks)s is NULL unless the worker met
+-- a task it does not know (a rolling deploy): it then claims only its own tasks and leaves the
+-- others' jobs queued for workers that know them.
+-- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
+-- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
+-- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
+-- batch back in claim order, with the arguments as JSON text that the worker parses itself:
+-- psycopg's jsonb loader took ~5 us of the worker's CPU per row here, text and the fetcher's
+-- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
+-- claim_jobs_in_queues restricted to a list of queues, which for a single queue reads
+-- pgqueue_jobs_ready_queue_idx in order (its custom plan folds `queue = (queues)[1]` into an
+-- equality).
+-- The LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL plan every
+-- claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always looks
+-- cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans assume
+-- the same unknown LIMIT and the cached generic plan is kept (test_query_plans checks its
+-- shape at depth). claim_jobs_in_queues keeps the plain parameter: its custom plan also sees
+-- the queue list, and that is what picks the per-queue index for one queue.
+WITH claimed AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+    WHERE j.id = ANY(ARRAY(
+        SELECT id FROM {schema}.pgqueue_jobs
+        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+          AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+          AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                      WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
+        ORDER BY priority DESC, run_at, id
+        LIMIT {claim_limit}
+        FOR UPDATE SKIP LOCKED
+    ))
+    RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
+              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
+              j.priority, j.run_at
+)
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds
+FROM claimed ORDER BY priority DESC, run_at, id
+
+-- name: claim_jobs_by_priority
+-- claim_jobs for a table that holds jobs not due yet: the same batch in the same order (claim_jobs
+-- says why the rest of the statement is shaped as it is), found without reading those jobs. The
+-- fetcher uses it while next_ready_at says some job is not due yet, checked at least once a second
+-- and at every short claim; it costs a few index descents more than claim_jobs otherwise.
 -- Jobs not due yet are not read. pgqueue_jobs_ready_idx is in claim order, and within one
 -- priority the due rows come first, so a scan bounded by run_at <= now() stops at the first
 -- future row; across priorities it cannot (a higher priority's future rows lie between the due
@@ -89,28 +139,13 @@ GROUP BY queue, status ORDER BY queue, status
 -- LIMITs of the inner scans hide their value in a subquery, which keeps the planner on ordered
 -- index scans (with the value known, a bitmap scan and a sort of a whole priority can look
 -- cheaper).
--- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
--- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
--- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
--- batch back in claim order, with the arguments as JSON text that the worker parses itself:
--- psycopg's jsonb loader took ~5 us of the worker's CPU per row here, text and the fetcher's
--- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs over all queues (queue_list is one
--- pass for every queue at once, the filters empty), and as claim_jobs_in_queues, which finds
--- each priority by one descent per listed queue in pgqueue_jobs_ready_queue_idx and, for a
--- single queue, reads its due rows there too (its custom plan folds `queue = (queues)[1]` into
--- an equality, which an index scans in order; `queue = ANY` alone cannot).
--- The batch's LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL
--- plan every claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always
--- looks cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans
--- assume the same unknown LIMIT and the cached generic plan is kept (test_query_plans checks
--- its shape at depth). claim_jobs_in_queues keeps the plain parameter: its custom plan also
--- sees the queue list, and that is what picks the per-queue index for one queue.
--- The claimed jobs' lease is the worker's own (pgqueue_workers.lease_expires_at, extended by
--- extend_leases), so the claim takes nothing unless that lease is live: a worker whose
--- heartbeats stopped reaching the database never claims jobs that any reaper may take back at
--- once. The check gates the walk's first row (no live lease: no priorities, no rows), once per
--- claim. %(tasks)s is NULL unless the worker met a task it does not know (a rolling deploy): it
--- then claims only its own tasks and leaves the others' jobs queued for workers that know them.
+-- Rendered twice (sql.VARIANTS): over all queues (queue_list is one pass for every queue at once,
+-- the filters empty), and as claim_jobs_by_priority_in_queues, which finds each priority by one
+-- descent per listed queue in pgqueue_jobs_ready_queue_idx and, for a single queue, reads its due
+-- rows there too (its custom plan folds `queue = (queues)[1]` into an equality, which an index
+-- scans in order; `queue = ANY` alone cannot).
+-- The batch's LIMIT (claim_limit) is hidden in a subquery or not as in claim_jobs. The worker's
+-- live lease gates the walk's first row (no live lease: no priorities, no rows).
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
@@ -163,12 +198,13 @@ FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: next_ready_at
 -- Seconds from the database's now() to the earliest run_at still ahead among waiting jobs (NULL:
--- none), for a worker that has nothing to claim and may sleep until then. The same walk over the
--- priorities as claim_jobs: a priority's first index entry holds its earliest run_at, and when
--- some of its jobs are due one more descent finds its first future one; so one or two index
--- descents per distinct priority (per listed queue in next_ready_at_in_queues), however many
--- jobs wait. Beyond the 32 highest priorities the rest is one scan of their waiting jobs, as in
--- claim_jobs. Rendered twice like claim_jobs (sql.VARIANTS).
+-- none), for a worker that has nothing to claim and may sleep until then, and for the fetcher to
+-- choose its claim statement. The same walk over the priorities as claim_jobs_by_priority: a
+-- priority's first index entry holds its earliest run_at, and when some of its jobs are due one
+-- more descent finds its first future one; so one or two index descents per distinct priority
+-- (per listed queue in next_ready_at_in_queues), however many jobs wait. Beyond the 32 highest
+-- priorities the rest is one scan of their waiting jobs, as in claim_jobs_by_priority. Rendered
+-- twice like claim_jobs (sql.VARIANTS).
 WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
     VALUES (0, 2147483648, NULL::timestamptz, NULL::bigint)
     UNION ALL

@@ -2,8 +2,10 @@
 
 A claim takes the due jobs (queued or retrying, ``run_at <= now()``) in the order
 ``priority DESC, run_at, id``, skipping rows another session holds, and locks nothing beyond its
-batch. It walks the distinct priorities instead of the index entries, so delayed jobs of a
-higher priority, however many, cost it a few index descents (see claim_jobs in queries.sql).
+batch. Both claim statements do, the plain one and the one a worker uses while jobs wait for a
+later run_at: that one walks the distinct priorities instead of the index entries, so delayed jobs
+of a higher priority, however many, cost it a few index descents (see claim_jobs_by_priority in
+queries.sql).
 ``next_ready_at`` tells an idle worker how long until the next delayed job is due.
 """
 
@@ -17,8 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pgqueue
 from pgqueue.sql import queries
-from tests.helpers import register_worker
+from tests.helpers import register_worker, running_worker, wait_until_async
 from tests.plans import Conn, buffers, claim_selection, explain
 
 QUEUES = ["a", "b", "c"]
@@ -98,9 +101,10 @@ def claim_params(limit: int, queues: list[str] | None) -> dict[str, Any]:
     return params
 
 
+@pytest.mark.parametrize("by_priority", [False, True], ids=["plain", "by_priority"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
-    conn: Conn, dsn: str, layout: str
+    conn: Conn, dsn: str, layout: str, by_priority: bool
 ) -> None:
     """Against a plain SELECT in claim order, for random mixes of priorities, statuses, due and
     delayed rows, queue lists, and rows held by a concurrent claimer: the same jobs in the same
@@ -117,7 +121,14 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
                 claimer.execute(f"SET LOCAL plan_cache_mode = {mode}".encode())
                 reference = claimer.execute(REFERENCE, {"queues": queues}).fetchall()
                 expected = [r[0] for r in reference if r[0] not in held][:limit]
-                statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+                if by_priority:
+                    statement = (
+                        q.claim_jobs_by_priority
+                        if queues is None
+                        else q.claim_jobs_by_priority_in_queues
+                    )
+                else:
+                    statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
                 params = claim_params(limit, queues)
                 claimed = [r[0] for r in claimer.execute(statement, params, prepare=True)]
                 assert claimed == expected, mode
@@ -146,7 +157,7 @@ def test_delayed_jobs_of_higher_priority_cost_a_claim_almost_nothing(conn: Conn)
     """Half a million delayed jobs above the due ones (two priorities, two queues) cost finding
     and locking a batch a scan of all of them before the fix (4,637 buffers here instead of
     ~230-420; 4,400 and 38 ms a claim in the report); now a few index descents, in every variant
-    of the claim."""
+    of the claim a worker uses while such jobs exist (claim_jobs_by_priority)."""
     register_worker(conn, WORKER)
     q = queries("public")
     conn.execute(
@@ -156,15 +167,15 @@ def test_delayed_jobs_of_higher_priority_cost_a_claim_almost_nothing(conn: Conn)
     )
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
     claims: dict[str, tuple[bytes, list[str] | None]] = {
-        "claim_jobs": (q.claim_jobs, None),
-        "claim_jobs_in_queues, one queue": (q.claim_jobs_in_queues, ["a"]),
-        "claim_jobs_in_queues, two queues": (q.claim_jobs_in_queues, ["a", "b"]),
+        "claim_jobs_by_priority": (q.claim_jobs_by_priority, None),
+        "in_queues, one queue": (q.claim_jobs_by_priority_in_queues, ["a"]),
+        "in_queues, two queues": (q.claim_jobs_by_priority_in_queues, ["a", "b"]),
     }
 
     def cost() -> dict[str, int]:
         found = {}
         for name, (statement, queues) in claims.items():
-            # claim_jobs runs on its cached generic plan, claim_jobs_in_queues on custom ones.
+            # The all-queues claim runs on its cached generic plan, the in_queues one on custom ones.
             plan = explain(conn, statement, claim_params(200, queues), generic=queues is None)
             assert plan["Actual Rows"] == 200, name
             found[name] = buffers(claim_selection(plan))
@@ -232,3 +243,34 @@ def test_next_ready_at_counts_the_first_future_job_behind_due_ones(conn: Conn) -
     assert 85 < in_a <= 90
     (in_c,) = conn.execute(q.next_ready_at_in_queues, {"queues": ["c"]}).fetchone() or (None,)
     assert in_c is None
+
+
+#: Polling once a minute: what happens within seconds was not the poll.
+NO_POLL = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 60.0, "reaper_interval": 1.0}
+
+
+async def test_a_worker_claims_by_priority_only_while_some_job_waits_for_later(
+    app: pgqueue.App,
+) -> None:
+    """The walk costs the common case (every waiting job due) a little on every claim, and the
+    plain scan costs a table with delayed jobs a pass over them: the worker knows which it has,
+    from its start, after a short claim, and at most a second late while it is busy."""
+    ran: list[int] = []
+
+    @app.task
+    async def noop(n: int) -> None:
+        ran.append(n)
+
+    later = noop.configure(delay=3600, priority=10).enqueue(n=0)
+    async with running_worker(app, **NO_POLL) as worker:
+        fetcher = worker.fetcher
+        await wait_until_async(lambda: fetcher.delayed)  # asked before its first claim
+        noop.enqueue(n=1)
+        await wait_until_async(lambda: ran == [1])
+        assert fetcher.delayed
+        assert app.cancel(later)
+        noop.enqueue(n=2)  # its short claim asks again: nothing waits for later now
+        await wait_until_async(lambda: ran == [1, 2] and not fetcher.delayed)
+        noop.configure(delay=3600).enqueue(n=3)
+        noop.enqueue(n=4)
+        await wait_until_async(lambda: ran == [1, 2, 4] and fetcher.delayed)

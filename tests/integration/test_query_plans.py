@@ -47,9 +47,10 @@ def shape_the_table(conn: Conn, finished: int, queued: int, running: int) -> Non
     )
 
 
+@pytest.mark.parametrize("statement", ["claim_jobs", "claim_jobs_by_priority"])
 @pytest.mark.parametrize(("finished", "queued"), [(200_000, 20_000), (300_000, 300_000)])
 def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(
-    conn: Conn, finished: int, queued: int
+    conn: Conn, finished: int, queued: int, statement: str
 ) -> None:
     """Also with a deep backlog: the generic plan is the one the claim keeps (next test)."""
     shape_the_table(conn, finished=finished, queued=queued, running=0)
@@ -57,7 +58,7 @@ def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(
     worker = live_worker(conn)
     plan = explain(
         conn,
-        q.claim_jobs,
+        getattr(q, statement),
         {"worker_id": worker, "limit": 200, "token": uuid.uuid4(), "tasks": None},
     )
     kinds = {n["Node Type"] for n in nodes(plan)}
@@ -121,7 +122,8 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
             assert node["Node Type"] != "Seq Scan" or node.get("Relation Name") != "pgqueue_jobs"
 
 
-def test_the_claim_is_planned_once_not_at_every_execution(conn: Conn) -> None:
+@pytest.mark.parametrize("statement", ["claim_jobs", "claim_jobs_by_priority"])
+def test_the_claim_is_planned_once_not_at_every_execution(conn: Conn, statement: str) -> None:
     """Its LIMIT hides behind a subquery (see claim_jobs), so PostgreSQL keeps the generic plan
     once psycopg has prepared the statement, instead of planning every claim anew."""
     shape_the_table(conn, finished=10_000, queued=5_000, running=0)
@@ -129,12 +131,12 @@ def test_the_claim_is_planned_once_not_at_every_execution(conn: Conn) -> None:
     worker = live_worker(conn)
     for limit in range(40, 60):
         params = {"worker_id": worker, "limit": limit, "token": uuid.uuid4(), "tasks": None}
-        assert len(conn.execute(q.claim_jobs, params).fetchall()) == limit
-    row = conn.execute(
-        "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE %s",
-        ("%One statement claims a batch%",),
-    ).fetchone()
-    assert row is not None
+        assert len(conn.execute(getattr(q, statement), params).fetchall()) == limit
+    (row,) = conn.execute(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+        " WHERE statement LIKE 'WITH claimed AS%%' AND (statement LIKE '%%RECURSIVE%%') = %s",
+        (statement == "claim_jobs_by_priority",),
+    ).fetchall()
     generic, custom = row
     assert custom <= 5 and generic >= 10, (generic, custom)
 
@@ -186,14 +188,14 @@ def due_row_scans(selection: dict[str, Any]) -> list[dict[str, Any]]:
 SCANS = {"Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Seq Scan"}
 
 
-def test_claim_walks_the_priorities_and_reads_no_delayed_row(conn: Conn) -> None:
+def test_claim_by_priority_walks_the_priorities_and_reads_no_delayed_row(conn: Conn) -> None:
     """The generic plan at depth, delayed jobs between and above the due ones: one index
     descent per priority (each probe returns one row), the due rows of a priority read in order
     from the ready index bounded by run_at, and nothing locked beyond the batch."""
     shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
     q = queries("public")
     params = {"worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None}
-    plan = explain(conn, q.claim_jobs, params)
+    plan = explain(conn, q.claim_jobs_by_priority, params)
     assert plan["Actual Rows"] == 200
     selection = claim_selection(plan)
     locks_lazily(selection, 200)
@@ -206,7 +208,7 @@ def test_claim_walks_the_priorities_and_reads_no_delayed_row(conn: Conn) -> None
 
 
 @pytest.mark.parametrize("queues", [["a"], ["a", "b"]])
-def test_claim_in_queues_probes_each_queue_and_one_queue_reads_its_own_index(
+def test_claim_by_priority_in_queues_probes_each_queue_and_one_queue_reads_its_own_index(
     conn: Conn, queues: list[str]
 ) -> None:
     """The list variant runs on custom plans (it keeps a plain LIMIT parameter). It probes each
@@ -221,7 +223,7 @@ def test_claim_in_queues_probes_each_queue_and_one_queue_reads_its_own_index(
         "tasks": None,
         "queues": queues,
     }
-    plan = explain(conn, q.claim_jobs_in_queues, params, generic=False)
+    plan = explain(conn, q.claim_jobs_by_priority_in_queues, params, generic=False)
     assert plan["Actual Rows"] == 200
     selection = claim_selection(plan)
     locks_lazily(selection, 200)
@@ -236,7 +238,7 @@ def test_claim_in_queues_probes_each_queue_and_one_queue_reads_its_own_index(
     assert buffers(selection) < 600
 
 
-def test_claim_beyond_32_priorities_scans_the_rest_in_one_pass(conn: Conn) -> None:
+def test_claim_by_priority_beyond_32_priorities_scans_the_rest_in_one_pass(conn: Conn) -> None:
     """With many distinct priorities the walk stops after 32 of them (32 descents) and the rest
     is read as before the walk existed, in one ordered pass: a claim never costs much more than
     that pass, however many priorities there are."""
@@ -252,7 +254,7 @@ def test_claim_beyond_32_priorities_scans_the_rest_in_one_pass(conn: Conn) -> No
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
     q = queries("public")
     params = {"worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None}
-    plan = explain(conn, q.claim_jobs, params)
+    plan = explain(conn, q.claim_jobs_by_priority, params)
     assert plan["Actual Rows"] == 200
     selection = claim_selection(plan)
     locks_lazily(selection, 200)
@@ -263,6 +265,34 @@ def test_claim_beyond_32_priorities_scans_the_rest_in_one_pass(conn: Conn) -> No
     assert "priority < " in scan["Index Cond"] and "run_at <= now()" in scan["Index Cond"], scan
     # The pass over ~97,000 delayed entries (~500 buffers), 200 row locks, 32 descents.
     assert buffers(selection) < 1_300, buffers(selection)
+
+
+@pytest.mark.parametrize("queues", [None, ["a"]])
+def test_plain_claim_reads_the_due_rows_in_one_ordered_scan(
+    conn: Conn, queues: list[str] | None
+) -> None:
+    """What a worker claims with while no job waits for a later run_at: one range scan in claim
+    order that stops after the batch (for one queue, in that queue's index), nothing else."""
+    shape_with_delayed_jobs(conn, due=30_000, delayed=0)
+    q = queries("public")
+    params: dict[str, Any] = {
+        "worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None
+    }  # fmt: skip
+    if queues is None:
+        plan = explain(conn, q.claim_jobs, params)
+    else:
+        plan = explain(conn, q.claim_jobs_in_queues, {**params, "queues": queues}, generic=False)
+    assert plan["Actual Rows"] == 200
+    selection = claim_selection(plan)
+    locks_lazily(selection, 200)
+    (scan,) = [
+        n for n in nodes(selection)
+        if n["Node Type"] in SCANS and n.get("Relation Name") == "pgqueue_jobs"
+    ]  # fmt: skip
+    assert scan["Node Type"] == "Index Scan", scan
+    index = "pgqueue_jobs_ready_idx" if queues is None else "pgqueue_jobs_ready_queue_idx"
+    assert scan["Index Name"] == index and scan["Actual Rows"] == 200, scan
+    assert buffers(selection) < 500
 
 
 @pytest.mark.parametrize("queues", [None, ["c"], ["a", "c"]])

@@ -25,9 +25,11 @@ NO_POLL = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 60.0, "reap
 
 
 def waiting_workers(conn: Conn) -> int:
-    """Sessions holding the "waiting" advisory lock of the public schema's channel."""
+    """Sessions holding the "waiting" advisory lock of the public schema's channel, in this
+    test's database (pg_locks shows every database's, and tests run in parallel)."""
     row = conn.execute(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         " AND classid::bigint = (hashtext(%s)::bigint + 4294967296) %% 4294967296"
         " AND objid = 1 AND objsubid = 2",
         (channel_for("public"),),

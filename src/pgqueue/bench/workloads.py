@@ -212,13 +212,15 @@ DUE_REMAINING = (
 CLAIM_SAMPLES, CLAIM_WARMUP, CLAIM_BATCH = 100, 15, 100
 
 
-def claim_ms(dsn: str) -> float:
+def claim_ms(dsn: str, by_priority: bool) -> float:
     """Median milliseconds of pgqueue's claim statement taking ``CLAIM_BATCH`` jobs, prepared and
-    on its cached plan as in the worker. Each batch is handed back (``release_leases``) in the
+    on its cached plan as in the worker: ``claim_jobs_by_priority`` as a worker claims while jobs
+    wait for a later run_at, ``claim_jobs`` otherwise. Each batch is handed back (``release_leases``) in the
     claim's transaction, so the queue stays as it was for the drain, and the commit, a disk
     flush whose time has nothing to do with the claim, is not timed. (Rolling the claim back
     instead would leave it unprepared: psycopg forgets its prepared statements at a ROLLBACK.)"""
     q = queries("public")
+    statement = q.claim_jobs_by_priority if by_priority else q.claim_jobs
     timings = []
     worker = uuid.uuid4()
     with psycopg.connect(dsn) as conn:
@@ -233,7 +235,7 @@ def claim_ms(dsn: str) -> float:
             token = uuid.uuid4()
             params = {"worker_id": worker, "limit": CLAIM_BATCH, "token": token, "tasks": None}
             began = time.perf_counter()
-            ids = [row[0] for row in conn.execute(q.claim_jobs, params)]
+            ids = [row[0] for row in conn.execute(statement, params)]
             elapsed = time.perf_counter() - began
             conn.execute(q.release_leases, {"ids": ids, "tokens": [token] * len(ids)})
             conn.commit()
@@ -254,7 +256,7 @@ async def _drain_beside_delayed(
                 conn.execute(FILL_DELAYED, {"count": delayed})
         await _fill(ctx, system, dsn, ready)
         _vacuum(dsn)
-        claim = claim_ms(dsn)
+        claim = claim_ms(dsn, by_priority=delayed > 0)
         result = await drain(ctx, system, dsn, ready, 1, concurrency, remaining_sql=DUE_REMAINING)
     return {**result, "claim_ms": claim}
 

@@ -126,11 +126,12 @@ class Completer:
         """Write one batch: due busy acks first (alone, never waiting on a lock), then the
         head of ``pending``."""
         await self._retry_busy(force=self._stopped)
-        batch = sorted(self.pending[: self.batch_size], key=_job_id)
-        if not batch:
+        if not self.pending:
             if not self._stopped:
                 self._has_work.clear()
             return
+        batch = sorted(self.pending[: self.batch_size], key=_job_id)
+        del self.pending[: len(batch)]
         uncertain = self._uncertain or any(o.uncertain for o in batch)
         try:
             await self._write_isolating(batch, uncertain)
@@ -147,10 +148,10 @@ class Completer:
             self._has_work.clear()
 
     async def _write_isolating(self, batch: list[Outcome], uncertain: bool) -> None:
-        """Write ``batch``; a statement the database refuses for what is in it is split until
-        the refused outcome is alone (see the module docstring). Each part leaves ``pending``
-        as soon as it is settled; a transient error propagates, and the caller retries what is
-        left."""
+        """Write ``batch`` (already out of ``pending``); a statement the database refuses for
+        what is in it is split until the refused outcome is alone (see the module docstring). On
+        a transient error what is not settled yet goes back to ``pending``, and the error
+        propagates: the parts already written are never written or reported again."""
         groups = [batch]
         while groups:
             group = groups.pop()
@@ -158,20 +159,15 @@ class Completer:
                 accepted, busy = await self._write(group, uncertain)
             except Exception as exc:
                 if _is_transient(exc):
+                    self.pending[:0] = [*group, *(o for g in groups for o in g)]
                     raise
                 if len(group) > 1:
                     half = len(group) // 2
                     groups += [group[half:], group[:half]]
                     continue
-                self._settled(group)
                 self._refused(group[0], exc)
                 continue
-            self._settled(group)
             self._report(group, accepted, busy)
-
-    def _settled(self, group: list[Outcome]) -> None:
-        done = {id(o) for o in group}
-        self.pending = [o for o in self.pending if id(o) not in done]
 
     def _refused(self, outcome: Outcome, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {str(exc).strip()}"

@@ -15,6 +15,12 @@ claim came back short (it is about to wait) asks the database when the next job 
 becomes due (``next_ready_at``) and sleeps no longer than that, so a job enqueued to run later,
 or a retry whose backoff ends, starts on time without waiting for the poll.
 
+Jobs not due yet cost the plain claim (``claim_jobs``) a pass over them when their priority is
+higher than the due ones'; the fetcher claims with ``claim_jobs_by_priority`` instead while
+``next_ready_at`` says some job is not due yet (asked before the first claim, at every short
+claim, and at least every ``DELAYED_CHECK`` seconds while busy). Both statements return the same
+jobs; only their cost differs.
+
 A job whose task this worker does not know (an older worker during a rolling deploy) is handed
 back at once without counting the attempt, and from then on the worker claims only its own tasks:
 such jobs wait, untouched, for a worker that knows them.
@@ -38,6 +44,8 @@ from .state import ClaimedJob, WorkerState, pause, round_failed
 log = logging.getLogger("pgqueue.worker.fetcher")
 
 PREFETCH_WINDOW = 0.05
+#: Seconds between looks at whether jobs not due yet exist, while the worker is busy.
+DELAYED_CHECK = 1.0
 
 #: The claim's arguments arrive as jsonb's text output: one JSON document, nothing around it, so
 #: ``raw_decode`` needs none of ``json.loads``'s checks for whitespace and trailing data (1.6 us
@@ -68,7 +76,10 @@ class Fetcher:
         self.poll_interval = poll_interval
         self.start = start
         self.wake = wake
-        self.statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+        self.plain = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+        self.by_priority = (
+            q.claim_jobs_by_priority if queues is None else q.claim_jobs_by_priority_in_queues
+        )
         self.next_ready = q.next_ready_at if queues is None else q.next_ready_at_in_queues
         self.claims = 0
         self._window_started = 0.0
@@ -78,6 +89,9 @@ class Fetcher:
         self._notified = False
         #: Loop time at which the earliest job we know of becomes due (None: none known).
         self._due_at: float | None = None
+        #: Some job was not due yet at the last look (``_checked``, loop time): claim by priority.
+        self.delayed = False
+        self._checked = -DELAYED_CHECK
         #: Set once a claimed job's task was unknown: claims are then limited to these tasks.
         self.only_tasks: list[str] | None = None
         self._unknown_warned: set[str] = set()
@@ -125,7 +139,7 @@ class Fetcher:
         if self.queues is not None:
             params["queues"] = self.queues
         async with self.pool.connection() as conn:
-            cur = await conn.execute(self.statement, params)
+            cur = await conn.execute(self.by_priority if self.delayed else self.plain, params)
             rows = await cur.fetchall()
             jobs = [
                 ClaimedJob(
@@ -133,7 +147,7 @@ class Fetcher:
                 )
                 for job_id, queue, task, args, attempt, max_attempts, pickup in rows
             ]
-            if any(job.task not in self.tasks for job in jobs):
+            if not self.tasks.keys() >= {job.task for job in jobs}:
                 jobs = await self._hand_back_unknown(conn, jobs)
         self.claims += 1
         return jobs
@@ -193,6 +207,10 @@ class Fetcher:
                 maybe_more = True
             want = self.wanted(now)
             if want and (maybe_more or self._notified):
+                if maybe_more and now - self._checked >= DELAYED_CHECK:
+                    # Busy (or starting): an idle worker looks after each short claim instead,
+                    # off the path of the job that woke it.
+                    await self._learn_next_due(loop)
                 state.wakeup.clear()
                 self._notified = False
                 try:
@@ -215,6 +233,8 @@ class Fetcher:
                 # should notify (see notifier). A full one: it claims again on its own.
                 self.on_waiting(not maybe_more)
                 if not maybe_more:
+                    # The jobs just claimed start first (their slots run at this yield).
+                    await asyncio.sleep(0)
                     await self._learn_next_due(loop)
                 continue
             wake_at = next_poll if self._due_at is None else min(next_poll, self._due_at)
@@ -224,11 +244,13 @@ class Fetcher:
                 maybe_more = True
 
     async def _learn_next_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._checked = loop.time()
         try:
             due_in = await self.next_due_in()
-        except Exception as exc:  # only latency is at stake: the poll still runs
+        except Exception as exc:  # only latency and claim cost are at stake: the poll still runs
             log.debug("could not ask when the next job is due (%s)", exc)
             return
+        self.delayed = due_in is not None
         if due_in is not None:
             due = loop.time() + due_in
             if self._due_at is None or due < self._due_at:

@@ -35,7 +35,7 @@ from uuid import UUID
 import psycopg
 
 from ..sql import Queries
-from .state import Held, Key, Phase, WorkerState, pause, round_failed
+from .state import Held, Key, Phase, WorkerState, key_of, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
 
@@ -135,7 +135,7 @@ class Heartbeat:
         self.beats += 1
         self.extended(sent_at)
         for job_id, token in lost:
-            h = state.held.get((int(job_id), token))
+            h = state.held.get(key_of(int(job_id), token))
             if h is not None and h.phase in _WAITING_OR_RUNNING:
                 log.warning("job %d: lease lost (reaped or taken over); abandoning it", job_id)
                 self.on_lost(h)
@@ -159,7 +159,7 @@ class Heartbeat:
                 "tokens": [h.job.lease_token for h in held],
             },
         )
-        untracked = {(int(job_id), token) for job_id, token in await cur.fetchall()}
+        untracked = {key_of(int(job_id), token) for job_id, token in await cur.fetchall()}
         # Twice running: a claim or an ack on its way during one look is settled by the next.
         keys = sorted((untracked & self._untracked) - self.state.held.keys())
         self._untracked = untracked - set(keys)
@@ -171,7 +171,8 @@ class Heartbeat:
         if not keys:
             return
         cur = await conn.execute(
-            self.q.expire_leases, {"ids": [k[0] for k in keys], "tokens": [k[1] for k in keys]}
+            self.q.expire_leases,
+            {"ids": [k[0] for k in keys], "tokens": [UUID(int=k[1]) for k in keys]},
         )
         expired = [int(row[0]) for row in await cur.fetchall()]
         self.state.counters.given_up += len(expired)

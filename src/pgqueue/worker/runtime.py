@@ -33,7 +33,7 @@ from .notifier import Notifier
 from .reaper import Reaper
 from .scheduler import Scheduler
 from .slots import JobRun, Slots
-from .state import TRANSIENT, ClaimedJob, Held, Phase, WorkerState
+from .state import TRANSIENT, ClaimedJob, Held, Phase, WorkerState, key_of
 from .statistics import StatsWriter
 from .transactions import Transactions
 
@@ -578,7 +578,7 @@ class Worker:
         """The database refused to store ``outcome``: the plain failed attempt to write instead
         (None: the attempt is no longer ours to write)."""
         assert self.state is not None
-        held = self.state.held.get((outcome.job_id, outcome.lease_token))
+        held = self.state.held.get(key_of(outcome.job_id, outcome.lease_token))
         if held is None:
             return None
         self.state.counters.unstorable += 1
@@ -588,7 +588,7 @@ class Worker:
         """Not even a plain failure could be written: end the attempt's lease, so that the
         reaper records it (the heartbeat would find it untracked and do the same, later)."""
         assert self.state is not None
-        held = self.state.held.pop((outcome.job_id, outcome.lease_token), None)
+        held = self.state.held.pop(key_of(outcome.job_id, outcome.lease_token), None)
         if held is not None:
             held.phase = Phase.ABANDONED
         self.state.counters.given_up += 1
@@ -614,7 +614,7 @@ class Worker:
         counters = self.state.counters
         retried: list[str] = []
         for outcome in batch:
-            held = self.state.held.pop((outcome.job_id, outcome.lease_token), None)
+            held = self.state.held.pop(key_of(outcome.job_id, outcome.lease_token), None)
             if outcome.job_id not in accepted:
                 log.warning(
                     "job %d: result refused, the lease was no longer ours (fenced stale write)",

@@ -24,10 +24,15 @@ class Phase(enum.Enum):
     ABANDONED = "abandoned"  # lease lost or timed out: nothing more will be written for it
 
 
-#: How the worker knows one attempt: the job id and the lease token of its claim. A job id alone
+#: How the worker knows one attempt: the job id and the lease token of its claim (as an int:
+#: hashing a UUID object costs a Python call, and this runs three times per job). A job id alone
 #: is not enough: after a stall, the same worker can claim attempt N+1 while attempt N's refused
 #: ack is still on its way, and each must find its own entry.
-Key = tuple[int, UUID]
+Key = tuple[int, int]
+
+
+def key_of(job_id: int, token: UUID) -> Key:
+    return (job_id, token.int)
 
 
 @dataclass(slots=True)
@@ -40,10 +45,10 @@ class ClaimedJob:
     max_attempts: int
     lease_token: UUID
     pickup_seconds: float
+    key: Key = field(init=False)
 
-    @property
-    def key(self) -> Key:
-        return (self.id, self.lease_token)
+    def __post_init__(self) -> None:
+        self.key = (self.id, self.lease_token.int)
 
 
 @dataclass(slots=True)
