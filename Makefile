@@ -60,7 +60,7 @@ demo: $(DEMO_STAMP) assets
 	$(BIN)/pgqueue demo $(DEMO_ARGS)
 
 # Side by side with the peers (installed from PyPI into .venv-peers), on a throwaway PostgreSQL:
-# about 35 minutes; bench-quick is the same table, smaller, in about 9. See docs/performance.md.
+# about 38 minutes; bench-quick is the same table, smaller, in about 10. See docs/performance.md.
 bench: $(STAMP)
 	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers $(BENCH_ARGS)
 
