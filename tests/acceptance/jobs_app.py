@@ -25,9 +25,11 @@ async def work(
 ) -> int:
     """Sleeps (longer on the first attempt if asked) and returns the attempt number, so the
     stored result tells which attempt's write won."""
-    await _record(ctx, "start")
     pause = first_attempt_seconds if ctx.attempt == 1 and first_attempt_seconds else seconds
     try:
+        # Inside the try: a test that saw the "start" row may stop the worker while this call
+        # is still returning, and the cancellation that follows lands here, not in the sleep.
+        await _record(ctx, "start")
         await asyncio.sleep(pause)
     except asyncio.CancelledError:
         await _record(ctx, "cancelled")
