@@ -32,11 +32,11 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
     return composed.as_string().encode()
 
 
-#: The fragments that restrict claim_jobs and next_ready_at to a list of queues: the walk over
-#: the priorities probes each listed queue (``queue_list``, ``queue_match``: an equality, which
-#: pgqueue_jobs_ready_queue_idx scans in order), and the rows read are those of any listed queue
-#: (``queue_filter``; for a single queue the custom plan folds its second condition into
-#: ``queue = 'name'``, an equality again).
+#: The fragments that restrict the claims and next_ready_at to a list of queues: the walk over
+#: the priorities (claim_jobs_by_priority, next_ready_at) probes each listed queue
+#: (``queue_list``, ``queue_match``: an equality, which pgqueue_jobs_ready_queue_idx scans in
+#: order), and the rows read are those of any listed queue (``queue_filter``; for a single queue
+#: the custom plan folds its second condition into ``queue = 'name'``, an equality again).
 IN_QUEUES = {
     "queue_list": "unnest(%(queues)s::text[])",
     "queue_match": "AND queue = l.queue",

@@ -186,6 +186,23 @@ def due_row_scans(selection: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 SCANS = {"Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Seq Scan"}
+BATCH = 200
+
+
+def claim_a_batch(conn: Conn, statement: bytes, queues: list[str] | None = None) -> dict[str, Any]:
+    """Run one claim of ``BATCH`` jobs under EXPLAIN ANALYZE, as a worker would (the all-queues
+    statement on its cached generic plan, a queue list on custom ones), check that it took a
+    full batch and locked nothing beyond it, and return the part of the plan that chose it."""
+    params: dict[str, Any] = {
+        "worker_id": live_worker(conn), "limit": BATCH, "token": uuid.uuid4(), "tasks": None
+    }  # fmt: skip
+    if queues is not None:
+        params["queues"] = queues
+    plan = explain(conn, statement, params, generic=queues is None)
+    assert plan["Actual Rows"] == BATCH
+    selection = claim_selection(plan)
+    locks_lazily(selection, BATCH)
+    return selection
 
 
 def test_claim_by_priority_walks_the_priorities_and_reads_no_delayed_row(conn: Conn) -> None:
@@ -193,12 +210,7 @@ def test_claim_by_priority_walks_the_priorities_and_reads_no_delayed_row(conn: C
     descent per priority (each probe returns one row), the due rows of a priority read in order
     from the ready index bounded by run_at, and nothing locked beyond the batch."""
     shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
-    q = queries("public")
-    params = {"worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None}
-    plan = explain(conn, q.claim_jobs_by_priority, params)
-    assert plan["Actual Rows"] == 200
-    selection = claim_selection(plan)
-    locks_lazily(selection, 200)
+    selection = claim_a_batch(conn, queries("public").claim_jobs_by_priority)
     (scan,) = due_row_scans(selection)
     assert scan["Node Type"] == "Index Scan" and scan["Index Name"] == "pgqueue_jobs_ready_idx"
     assert "priority = " in scan["Index Cond"] and "run_at <= now()" in scan["Index Cond"], scan
@@ -215,18 +227,7 @@ def test_claim_by_priority_in_queues_probes_each_queue_and_one_queue_reads_its_o
     listed queue in pgqueue_jobs_ready_queue_idx, and for a single queue reads the due rows
     there too, by equality and in order; for several, from the ready index filtered by queue."""
     shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
-    q = queries("public")
-    params = {
-        "worker_id": live_worker(conn),
-        "limit": 200,
-        "token": uuid.uuid4(),
-        "tasks": None,
-        "queues": queues,
-    }
-    plan = explain(conn, q.claim_jobs_by_priority_in_queues, params, generic=False)
-    assert plan["Actual Rows"] == 200
-    selection = claim_selection(plan)
-    locks_lazily(selection, 200)
+    selection = claim_a_batch(conn, queries("public").claim_jobs_by_priority_in_queues, queues)
     probes = [n for n in nodes(selection) if n["Node Type"] == "Index Only Scan"]
     assert {n["Index Name"] for n in probes} == {"pgqueue_jobs_ready_queue_idx"}
     assert all(n["Actual Rows"] <= 1 for n in probes), probes
@@ -252,12 +253,7 @@ def test_claim_by_priority_beyond_32_priorities_scans_the_rest_in_one_pass(conn:
         (100_000,),
     )
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
-    q = queries("public")
-    params = {"worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None}
-    plan = explain(conn, q.claim_jobs_by_priority, params)
-    assert plan["Actual Rows"] == 200
-    selection = claim_selection(plan)
-    locks_lazily(selection, 200)
+    selection = claim_a_batch(conn, queries("public").claim_jobs_by_priority)
     (probe,) = [n for n in nodes(selection) if n["Node Type"] == "Index Only Scan"]
     assert probe["Actual Loops"] == 32
     (scan,) = due_row_scans(selection)
@@ -275,23 +271,15 @@ def test_plain_claim_reads_the_due_rows_in_one_ordered_scan(
     order that stops after the batch (for one queue, in that queue's index), nothing else."""
     shape_with_delayed_jobs(conn, due=30_000, delayed=0)
     q = queries("public")
-    params: dict[str, Any] = {
-        "worker_id": live_worker(conn), "limit": 200, "token": uuid.uuid4(), "tasks": None
-    }  # fmt: skip
-    if queues is None:
-        plan = explain(conn, q.claim_jobs, params)
-    else:
-        plan = explain(conn, q.claim_jobs_in_queues, {**params, "queues": queues}, generic=False)
-    assert plan["Actual Rows"] == 200
-    selection = claim_selection(plan)
-    locks_lazily(selection, 200)
+    statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+    selection = claim_a_batch(conn, statement, queues)
     (scan,) = [
         n for n in nodes(selection)
         if n["Node Type"] in SCANS and n.get("Relation Name") == "pgqueue_jobs"
     ]  # fmt: skip
     assert scan["Node Type"] == "Index Scan", scan
     index = "pgqueue_jobs_ready_idx" if queues is None else "pgqueue_jobs_ready_queue_idx"
-    assert scan["Index Name"] == index and scan["Actual Rows"] == 200, scan
+    assert scan["Index Name"] == index and scan["Actual Rows"] == BATCH, scan
     assert buffers(selection) < 500
 
 
