@@ -95,6 +95,24 @@ CREATE OR REPLACE VIEW history_reaps AS
     SELECT * FROM history_transitions
     WHERE old_status = 'running' AND new_status IN ('retrying', 'dead') AND new_token IS NULL
       AND new_attempts = old_attempts AND new_error LIKE 'LeaseExpired:%';
+-- Every unique job as inserted, with its key (a later enqueue may clear the key on the row)
+-- and the clock as the insert ran: after the check that let it in.
+CREATE TABLE IF NOT EXISTS history_unique (
+    job_id     bigint NOT NULL,
+    unique_key text NOT NULL,
+    at         timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE OR REPLACE FUNCTION history_log_unique() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO history_unique (job_id, unique_key)
+    SELECT id, unique_key FROM new_rows WHERE unique_key IS NOT NULL;
+    RETURN NULL;
+END;
+$$;
+DROP TRIGGER IF EXISTS history_unique ON pgqueue_jobs;
+CREATE TRIGGER history_unique AFTER INSERT ON pgqueue_jobs
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION history_log_unique();
 DROP TRIGGER IF EXISTS history_transitions ON pgqueue_jobs;
 CREATE TRIGGER history_transitions AFTER UPDATE ON pgqueue_jobs
     FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status)
@@ -104,6 +122,29 @@ CREATE TRIGGER history_transitions AFTER UPDATE ON pgqueue_jobs
 
 def install(conn: Conn) -> None:
     conn.execute(INSTALL)
+
+
+def duplicate_unique_jobs(conn: Conn) -> int:
+    """Pairs of jobs with one key (rule 'active', no unique_for) where the second was inserted
+    before the first had left queued/retrying/running: both held the key at once. The first
+    leaves at its transition to succeeded, dead or cancelled, as logged by its own statement
+    (so before its commit, which the second's insert had to see)."""
+    row = conn.execute(
+        """
+        WITH left_at AS (
+            SELECT u.job_id, u.unique_key, u.at AS inserted,
+                   (SELECT min(t.at) FROM history_transitions t
+                    WHERE t.job_id = u.job_id
+                      AND t.new_status IN ('succeeded', 'dead', 'cancelled')) AS finished
+            FROM history_unique u
+        )
+        SELECT count(*) FROM left_at a JOIN left_at b
+            ON a.unique_key = b.unique_key AND a.job_id < b.job_id
+        WHERE b.inserted < coalesce(a.finished, 'infinity')
+        """
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from .errors import (
     Retry,
     UnknownTaskError,
 )
-from .jobs import Job, Status
+from .jobs import Enqueued, Job, Status
 from .tasks import Task
 
 try:
@@ -27,6 +27,7 @@ __all__ = [
     "Backoff",
     "ConfigurationError",
     "DatabaseUnavailableError",
+    "Enqueued",
     "Fail",
     "InvalidJobError",
     "Job",

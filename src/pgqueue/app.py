@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 import psycopg
 
 from . import db, pools, producer, schedules
+from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
-from .jobs import Job
+from .jobs import Enqueued, Job
 from .migrate import migrate as apply_migrations
 from .schedules import DEFAULT_MAX_CATCHUP, Schedule, declare
 from .sql import Queries, queries
 from .tasks import Task, TaskOptions
+from .unique import OnConflict, UniqueBy, UniqueWhile
 
 if TYPE_CHECKING:
     from .worker.runtime import Worker
@@ -101,6 +103,10 @@ class App:
         max_attempts: int = 5,
         timeout: float | None = None,
         backoff: Backoff | None = None,
+        unique: UniqueBy | None = None,
+        unique_while: UniqueWhile | None = None,
+        unique_for: float | timedelta | None = None,
+        on_conflict: OnConflict | None = None,
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     def task(  # type: ignore[misc]
@@ -114,9 +120,15 @@ class App:
         max_attempts: int = 5,
         timeout: float | None = None,
         backoff: Backoff | None = None,
+        unique: UniqueBy | None = None,
+        unique_while: UniqueWhile | None = None,
+        unique_for: float | timedelta | None = None,
+        on_conflict: OnConflict | None = None,
     ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
         """Register a handler. Async functions run on the worker's event loop, plain ones in
-        its thread pool. The task name defaults to the function's name."""
+        its thread pool. The task name defaults to the function's name. ``unique`` makes its
+        jobs unique (concepts/uniqueness.md): True keys on every argument, a list of names on
+        those arguments, a function of the arguments on the string it returns."""
 
         def register(fn: Callable[P, R]) -> Task[P, R]:
             task_name = _declared(
@@ -139,6 +151,15 @@ class App:
                 ),
                 priority=_declared(producer.check_int, "priority", priority, -(2**31 - 1)),
                 max_attempts=_declared(producer.check_int, "max_attempts", max_attempts, 1),
+                unique=_declared(
+                    lambda: uniqueness.combine(
+                        None,
+                        unique=unique,
+                        unique_while=unique_while,
+                        unique_for=unique_for,
+                        on_conflict=on_conflict,
+                    )[0]
+                ),
             )
             task = Task(self, fn, name=task_name, options=options, timeout=timeout, backoff=backoff)
             self.tasks[task_name] = task
@@ -273,12 +294,25 @@ class App:
         delay: float | timedelta | None,
         run_at: datetime | None,
         allow_unknown: bool,
+        unique: Any = None,
+        unique_key: str | None = None,
+        unique_while: str | None = None,
+        unique_for: float | timedelta | None = None,
+        on_conflict: str | None = None,
     ) -> producer.JobRow:
         registered = self.tasks.get(task) if isinstance(task, str) else None
         if registered is None and not allow_unknown:
             known = ", ".join(sorted(self.tasks)) or "none"
             raise UnknownTaskError(f"unknown task {task!r} (registered: {known})")
         defaults = registered.options if registered else TaskOptions(queue=self.default_queue)
+        rule, key = uniqueness.combine(
+            defaults.unique,
+            unique=unique,
+            unique_key=unique_key if unique_key is not None else defaults.unique_key,
+            unique_while=unique_while,
+            unique_for=unique_for,
+            on_conflict=on_conflict,
+        )
         return producer.build_row(
             task=task,
             args=args,
@@ -288,6 +322,7 @@ class App:
             delay=delay,
             run_at=run_at,
             max_payload=self.max_payload_bytes,
+            unique=None if rule is None else (rule, key),
         )
 
     def enqueue(
@@ -302,9 +337,15 @@ class App:
         run_at: datetime | None = None,
         connection: psycopg.Connection[Any] | None = None,
         allow_unknown: bool = False,
-    ) -> int:
+        unique: UniqueBy | None = None,
+        unique_key: str | None = None,
+        unique_while: UniqueWhile | None = None,
+        unique_for: float | timedelta | None = None,
+        on_conflict: OnConflict | None = None,
+    ) -> Enqueued:
         """Queue one job and return its id. With ``connection``, the job exists only if that
-        connection's transaction commits.
+        connection's transaction commits. For a unique job (the task's ``unique``, or
+        ``unique_key``/``unique=`` here) the id may be an existing job's: ``.duplicate`` says so.
 
         Raises InvalidJobError (nothing written) for a bad job, and DatabaseUnavailableError
         when PostgreSQL cannot be reached or the connection is lost during the INSERT (the
@@ -319,6 +360,11 @@ class App:
             delay=delay,
             run_at=run_at,
             allow_unknown=allow_unknown,
+            unique=unique,
+            unique_key=unique_key,
+            unique_while=unique_while,
+            unique_for=unique_for,
+            on_conflict=on_conflict,
         )
         if connection is not None:
             return producer.insert(connection, self.q, row)
@@ -336,7 +382,12 @@ class App:
         run_at: datetime | None = None,
         connection: psycopg.AsyncConnection[Any] | None = None,
         allow_unknown: bool = False,
-    ) -> int:
+        unique: UniqueBy | None = None,
+        unique_key: str | None = None,
+        unique_while: UniqueWhile | None = None,
+        unique_for: float | timedelta | None = None,
+        on_conflict: OnConflict | None = None,
+    ) -> Enqueued:
         """``enqueue`` for async code, on this event loop's connections."""
         row = self._row(
             task,
@@ -347,6 +398,11 @@ class App:
             delay=delay,
             run_at=run_at,
             allow_unknown=allow_unknown,
+            unique=unique,
+            unique_key=unique_key,
+            unique_while=unique_while,
+            unique_for=unique_for,
+            on_conflict=on_conflict,
         )
         if connection is not None:
             return await producer.insert_async(connection, self.q, row)
@@ -372,9 +428,14 @@ class App:
                             delay=None, run_at=None, allow_unknown=allow_unknown,
                         )  # fmt: skip
                     args = producer.serialize_args(spec[1], self.max_payload_bytes)
+                    key = None
+                    if template.unique_key is not None:  # the task's own rule: key per job
+                        rule = self.tasks[spec[0]].options.unique
+                        assert rule is not None
+                        key = uniqueness.key_for(spec[0], rule, spec[1] or {}, None, args)
                 except (InvalidJobError, UnknownTaskError) as exc:
                     raise type(exc)(f"job #{index}: {exc}") from None
-                rows.append(template.with_args(args))
+                rows.append(template.with_args(args, key))
                 if len(rows) == producer.COPY_CHUNK:
                     yield rows
                     rows = []
@@ -393,6 +454,11 @@ class App:
                 "max_attempts",
                 "delay",
                 "run_at",
+                "unique",
+                "unique_key",
+                "unique_while",
+                "unique_for",
+                "on_conflict",
             }
             if unknown:
                 raise InvalidJobError(f"job #{index}: unknown keys {sorted(unknown)}")
@@ -407,6 +473,11 @@ class App:
                         delay=spec.get("delay"),
                         run_at=spec.get("run_at"),
                         allow_unknown=allow_unknown,
+                        unique=spec.get("unique"),
+                        unique_key=spec.get("unique_key"),
+                        unique_while=spec.get("unique_while"),
+                        unique_for=spec.get("unique_for"),
+                        on_conflict=spec.get("on_conflict"),
                     )
                 )
             except (InvalidJobError, UnknownTaskError) as exc:
@@ -433,8 +504,10 @@ class App:
         connection: psycopg.Connection[Any] | None = None,
         allow_unknown: bool = False,
     ) -> int:
-        """Queue many jobs with one COPY and return how many. One bad job refuses the whole
-        batch and nothing of it is written; with ``connection``, the rest of that connection's
+        """Queue many jobs with one COPY and return how many were written as new (duplicates of
+        unique jobs, answered by the job holding their key, are not counted; chunks holding
+        unique jobs are written with INSERT ... ON CONFLICT instead of COPY). One bad job refuses
+        the whole batch and nothing of it is written; with ``connection``, the rest of that connection's
         transaction is kept. Jobs are checked while the COPY runs (a chunk at a time), so
         PostgreSQL does not wait for Python to check the whole batch first."""
         chunks = self._checked_chunks(jobs, allow_unknown)

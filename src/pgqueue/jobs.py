@@ -55,9 +55,32 @@ class Job:
     claimed_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    #: The key a unique job was enqueued with (``task:key``); None for other jobs, and once a
+    #: later enqueue with the same key found it no longer held.
+    unique_key: str | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Job:
         values = list(row)
         values[6] = Status(values[6])
         return cls(*values)
+
+
+class Enqueued(int):
+    """What ``enqueue`` returns: a job id (an ``int``, usable wherever the id was), and what
+    happened. ``duplicate``: a job with the same unique key already held it, and this is that
+    job's id (nothing new was written). ``replaced``: that job took the new arguments (and, for
+    ``on_conflict="debounce"``, the later run_at), as it was still waiting."""
+
+    duplicate: bool
+    replaced: bool
+
+    def __new__(cls, job_id: int, duplicate: bool = False, replaced: bool = False) -> Enqueued:
+        self = super().__new__(cls, job_id)
+        self.duplicate = duplicate
+        self.replaced = replaced
+        return self
+
+    @property
+    def id(self) -> int:
+        return int(self)

@@ -7,6 +7,7 @@ writes nothing. The I/O twins below are thin on purpose: the logic cannot drift 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,8 +19,9 @@ from typing import Any
 import psycopg
 
 from .errors import InvalidJobError
-from .jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS
+from .jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS, Enqueued
 from .sql import Queries
+from .unique import UniqueRule, key_for
 
 MAX_QUEUE_LENGTH = 128
 MAX_TASK_LENGTH = 256
@@ -39,6 +41,11 @@ class JobRow:
     run_at: datetime | None
     delay: float
     max_attempts: int
+    #: Set for a unique job (unique.key_for), with its rule's other three parts.
+    unique_key: str | None = None
+    unique_while: str | None = None
+    unique_for: float | None = None
+    on_conflict: str = "keep"
 
     def params(self) -> dict[str, Any]:
         return {
@@ -51,9 +58,25 @@ class JobRow:
             "max_attempts": self.max_attempts,
         }
 
-    def with_args(self, args_json: str) -> JobRow:
+    def unique_params(self) -> dict[str, Any]:
+        return {
+            **self.params(),
+            "unique_key": self.unique_key,
+            "unique_while": self.unique_while,
+            "unique_for": self.unique_for,
+            "on_conflict": self.on_conflict,
+        }
+
+    def with_args(self, args_json: str, unique_key: str | None = None) -> JobRow:
         return JobRow(self.queue, self.task, args_json, self.priority, self.run_at, self.delay,
-                      self.max_attempts)  # fmt: skip
+                      self.max_attempts, unique_key, self.unique_while, self.unique_for,
+                      self.on_conflict)  # fmt: skip
+
+    def db_run_at(self, db_now: datetime) -> datetime:
+        """run_at on the database clock, for rows written without ``now()`` in SQL."""
+        if self.run_at is not None:
+            return self.run_at
+        return db_now + timedelta(seconds=self.delay) if self.delay else db_now
 
     def copy_line(self, now_text: str, db_now: datetime) -> str:
         """This row in COPY's text format (tab-separated, backslash-escaped, one line)."""
@@ -66,10 +89,26 @@ class JobRow:
         # The JSON encoder escapes every control character, so the only character COPY would
         # read specially in the arguments is the backslash.
         args = self.args_json.replace("\\", "\\\\") if "\\" in self.args_json else self.args_json
+        if self.unique_key is None:
+            return (
+                f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
+                f"{self.priority}\t{run_at}\t{self.max_attempts}\t\\N\t\\N\t\\N\n"
+            )
+        unique_for = "\\N" if self.unique_for is None else repr(self.unique_for)
         return (
             f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
-            f"{self.priority}\t{run_at}\t{self.max_attempts}\n"
+            f"{self.priority}\t{run_at}\t{self.max_attempts}\t{_key_escape(self.unique_key)}\t"
+            f"{self.unique_while}\t{unique_for}\n"
         )
+
+
+def _key_escape(key: str) -> str:
+    """A unique key as a COPY text field (keys rarely repeat: not cached)."""
+    if "\\" in key or "\t" in key or "\n" in key or "\r" in key:
+        return (
+            key.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+        )
+    return key
 
 
 @functools.lru_cache(maxsize=1024)
@@ -266,33 +305,80 @@ def build_row(
     delay: float | timedelta | None,
     run_at: datetime | None,
     max_payload: int,
+    unique: tuple[UniqueRule, str | None] | None = None,
 ) -> JobRow:
+    """``unique``: the job's rule and the caller's explicit key, if it is a unique job."""
     seconds, when = check_delay(delay, run_at)
-    return JobRow(
+    task = check_name("task", task, MAX_TASK_LENGTH)
+    args_json = serialize_args(args, max_payload)
+    row = JobRow(
         queue=check_name("queue", queue, MAX_QUEUE_LENGTH),
-        task=check_name("task", task, MAX_TASK_LENGTH),
-        args_json=serialize_args(args, max_payload),
+        task=task,
+        args_json=args_json,
         priority=check_int("priority", priority, -_INT32),
         run_at=when,
         delay=seconds,
         max_attempts=check_int("max_attempts", max_attempts, 1),
     )
+    if unique is None:
+        return row
+    rule, explicit = unique
+    return with_unique(row, rule, key_for(task, rule, args or {}, explicit, args_json))
+
+
+def with_unique(row: JobRow, rule: UniqueRule, key: str) -> JobRow:
+    return JobRow(row.queue, row.task, row.args_json, row.priority, row.run_at, row.delay,
+                  row.max_attempts, key, rule.while_, rule.for_, rule.on_conflict)  # fmt: skip
 
 
 # --- I/O: sync and async twins ------------------------------------------------------------
 
 
-def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> int:
-    record = conn.execute(q.insert_job, row.params()).fetchone()
-    assert record is not None
-    return int(record[0])
+#: insert_unique_job answers nothing when the job holding the key no longer holds it: its key is
+#: released and the insert runs again. More misses than this in a row can only mean a
+#: REPEATABLE READ (or SERIALIZABLE) caller's transaction, whose snapshot never moves.
+UNIQUE_TRIES = 5
 
 
-async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobRow) -> int:
-    cursor = await conn.execute(q.insert_job, row.params())
-    record = await cursor.fetchone()
-    assert record is not None
-    return int(record[0])
+def _no_answer_text(key: str) -> str:
+    return (
+        f"unique key {key!r}: the job holding it kept finishing under this transaction's "
+        "snapshot; enqueue unique jobs in a READ COMMITTED transaction"
+    )
+
+
+def _no_answer(row: JobRow) -> InvalidJobError:
+    return InvalidJobError(_no_answer_text(str(row.unique_key)))
+
+
+def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enqueued:
+    if row.unique_key is None:
+        record = conn.execute(q.insert_job, row.params()).fetchone()
+        assert record is not None
+        return Enqueued(record[0])
+    params = row.unique_params()
+    for _ in range(UNIQUE_TRIES):
+        record = conn.execute(q.insert_unique_job, params).fetchone()
+        if record is not None:
+            return Enqueued(record[0], record[1], record[2])
+        conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
+    raise _no_answer(row)
+
+
+async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobRow) -> Enqueued:
+    if row.unique_key is None:
+        cursor = await conn.execute(q.insert_job, row.params())
+        record = await cursor.fetchone()
+        assert record is not None
+        return Enqueued(record[0])
+    params = row.unique_params()
+    for _ in range(UNIQUE_TRIES):
+        cursor = await conn.execute(q.insert_unique_job, params)
+        record = await cursor.fetchone()
+        if record is not None:
+            return Enqueued(record[0], record[1], record[2])
+        await conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
+    raise _no_answer(row)
 
 
 def _copy_text(rows: Sequence[JobRow], db_now: datetime) -> str:
@@ -306,19 +392,254 @@ def _copy_text(rows: Sequence[JobRow], db_now: datetime) -> str:
 # and formats the next (checking costs about half of what the server spends per row, so the two
 # overlap instead of adding up). A job refused halfway aborts the COPY; the transaction (or, in
 # the caller's transaction, the savepoint) around it rolls back, so nothing of the batch is
-# written and the caller's own transaction stays usable.
+# written and the caller's own transaction stays usable. A COPY cannot say ON CONFLICT: a chunk
+# holding unique jobs is written by insert_unique_jobs instead, and consecutive chunks without
+# any share one COPY, so a batch without unique jobs is one COPY as before.
+
+_UNIQUE_ARRAYS = ("queues", "tasks", "args", "priorities", "run_ats", "max_attempts", "keys",
+                  "whiles", "fors")  # fmt: skip
+
+
+def _has_unique(rows: Sequence[JobRow]) -> bool:
+    return any(row.unique_key is not None for row in rows)
+
+
+def unique_groups(
+    rows: Sequence[JobRow], db_now: datetime
+) -> tuple[list[tuple[str, list[list[Any]]]], int]:
+    """A chunk as insert_unique_jobs rows, one group per on_conflict, and how many repeats of a
+    key were merged into an earlier row (a statement cannot update one row twice). A repeat
+    counts as a duplicate of the first; with replace or debounce the first takes its arguments
+    and priority, and with debounce the later of the two run_at values, as if enqueued in turn."""
+    groups: dict[str, list[list[Any]]] = {}
+    seen: dict[tuple[str, str], list[Any]] = {}
+    merged = 0
+    for row in rows:
+        entry = [row.queue, row.task, row.args_json, row.priority, row.db_run_at(db_now),
+                 row.max_attempts, row.unique_key, row.unique_while, row.unique_for]  # fmt: skip
+        key = row.unique_key
+        if key is not None:
+            first = seen.get((row.on_conflict, key))
+            if first is not None:
+                merged += 1
+                if row.on_conflict != "keep":
+                    first[2], first[3] = entry[2], entry[3]
+                    if row.on_conflict == "debounce":
+                        first[4] = max(first[4], entry[4])
+                continue
+            seen[(row.on_conflict, key)] = entry
+        groups.setdefault(row.on_conflict, []).append(entry)
+    return list(groups.items()), merged
+
+
+def _group_params(mode: str, entries: list[list[Any]]) -> dict[str, Any]:
+    columns = list(zip(*entries, strict=True))
+    return {
+        "on_conflict": mode,
+        **{name: list(col) for name, col in zip(_UNIQUE_ARRAYS, columns, strict=True)},
+    }
+
+
+def _unanswered(entries: list[list[Any]], answers: list[tuple[Any, ...]]) -> list[list[Any]]:
+    answered = {key for key, _ in answers if key is not None}
+    return [e for e in entries if e[6] is not None and e[6] not in answered]
+
+
+#: Unique chunks sent in one pipeline before their answers are read.
+PIPELINE_CHUNKS = 20
+
+
+def _insert_until_answered(
+    cur: psycopg.Cursor[Any], q: Queries, mode: str, entries: list[list[Any]]
+) -> int:
+    """Rows whose key a job that no longer holds it still carried: release, insert again."""
+    written = 0
+    for _ in range(UNIQUE_TRIES):
+        cur.execute(q.release_unique_keys, {"keys": [e[6] for e in entries]})
+        answers = cur.execute(q.insert_unique_jobs, _group_params(mode, entries)).fetchall()
+        written += sum(1 for _, new in answers if new)
+        entries = _unanswered(entries, answers)
+        if not entries:
+            return written
+    raise InvalidJobError(_no_answer_text(str(entries[0][6])))
+
+
+async def _insert_until_answered_async(
+    cur: psycopg.AsyncCursor[Any], q: Queries, mode: str, entries: list[list[Any]]
+) -> int:
+    written = 0
+    for _ in range(UNIQUE_TRIES):
+        await cur.execute(q.release_unique_keys, {"keys": [e[6] for e in entries]})
+        await cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
+        answers = await cur.fetchall()
+        written += sum(1 for _, new in answers if new)
+        entries = _unanswered(entries, answers)
+        if not entries:
+            return written
+    raise InvalidJobError(_no_answer_text(str(entries[0][6])))
+
+
+def insert_unique_chunks(
+    conn: psycopg.Connection[Any],
+    q: Queries,
+    rows: Sequence[JobRow],
+    chunks: Iterator[Sequence[JobRow]],
+    db_now: datetime,
+) -> tuple[int, Sequence[JobRow] | None]:
+    """Writes ``rows`` and the chunks after it that hold unique jobs, in a pipeline: PostgreSQL
+    inserts one chunk while Python checks the next, as with COPY. Returns the new jobs written
+    and the next chunk (one without unique jobs, or None at the end)."""
+    written = 0
+    next_rows: Sequence[JobRow] | None = rows
+    while next_rows is not None and _has_unique(next_rows):
+        sent: list[tuple[psycopg.Cursor[Any], str, list[list[Any]]]] = []
+        with conn.pipeline():
+            for _ in range(PIPELINE_CHUNKS):
+                groups, _ = unique_groups(next_rows, db_now)
+                for mode, entries in groups:
+                    cur = conn.cursor()
+                    cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
+                    sent.append((cur, mode, entries))
+                next_rows = next(chunks, None)
+                if next_rows is None or not _has_unique(next_rows):
+                    break
+        with conn.cursor() as again:
+            for cur, mode, entries in sent:
+                answers = cur.fetchall()
+                cur.close()
+                written += sum(1 for _, new in answers if new)
+                left = _unanswered(entries, answers)
+                if left:
+                    written += _insert_until_answered(again, q, mode, left)
+    return written, next_rows
+
+
+async def insert_unique_chunks_async(
+    conn: psycopg.AsyncConnection[Any],
+    q: Queries,
+    rows: Sequence[JobRow],
+    chunks: Iterator[Sequence[JobRow]],
+    db_now: datetime,
+) -> tuple[int, Sequence[JobRow] | None]:
+    written = 0
+    next_rows: Sequence[JobRow] | None = rows
+    while next_rows is not None and _has_unique(next_rows):
+        sent: list[tuple[psycopg.AsyncCursor[Any], str, list[list[Any]]]] = []
+        async with conn.pipeline():
+            for _ in range(PIPELINE_CHUNKS):
+                groups, _ = unique_groups(next_rows, db_now)
+                for mode, entries in groups:
+                    cur = conn.cursor()
+                    await cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
+                    sent.append((cur, mode, entries))
+                next_rows = next(chunks, None)
+                if next_rows is None or not _has_unique(next_rows):
+                    break
+        async with conn.cursor() as again:
+            for cur, mode, entries in sent:
+                answers = await cur.fetchall()
+                await cur.close()
+                written += sum(1 for _, new in answers if new)
+                left = _unanswered(entries, answers)
+                if left:
+                    written += await _insert_until_answered_async(again, q, mode, left)
+    return written, next_rows
+
+
+class _RepeatedKey(Exception):
+    """A chunk repeats a key: its jobs cannot all be copied."""
+
+
+def _repeats_a_key(rows: Sequence[JobRow]) -> bool:
+    keys = [row.unique_key for row in rows if row.unique_key is not None]
+    return len(set(keys)) < len(keys)
+
+
+def _is_key_conflict(exc: psycopg.errors.UniqueViolation) -> bool:
+    return exc.diag.constraint_name == "pgqueue_jobs_unique_idx"
+
+
+def _mixed(
+    conn: psycopg.Connection[Any],
+    cur: psycopg.Cursor[Any],
+    q: Queries,
+    it: Iterator[Sequence[JobRow]],
+    db_now: datetime,
+) -> int:
+    """Chunks with unique jobs through insert_unique_jobs, runs of others through one COPY."""
+    count = 0
+    rows = next(it, None)
+    while rows is not None:
+        if _has_unique(rows):
+            written, rows = insert_unique_chunks(conn, q, rows, it, db_now)
+            count += written
+            continue
+        with cur.copy(q.copy_jobs) as copy:
+            while rows is not None and not _has_unique(rows):
+                copy.write(_copy_text(rows, db_now))
+                count += len(rows)
+                rows = next(it, None)
+    return count
+
+
+async def _mixed_async(
+    conn: psycopg.AsyncConnection[Any],
+    cur: psycopg.AsyncCursor[Any],
+    q: Queries,
+    it: Iterator[Sequence[JobRow]],
+    db_now: datetime,
+) -> int:
+    count = 0
+    rows = next(it, None)
+    while rows is not None:
+        if _has_unique(rows):
+            written, rows = await insert_unique_chunks_async(conn, q, rows, it, db_now)
+            count += written
+            continue
+        async with cur.copy(q.copy_jobs) as copy:
+            while rows is not None and not _has_unique(rows):
+                await copy.write(_copy_text(rows, db_now))
+                count += len(rows)
+                rows = next(it, None)
+    return count
 
 
 def copy_rows(conn: psycopg.Connection[Any], q: Queries, chunks: Iterable[Sequence[JobRow]]) -> int:
+    """The jobs written as new (duplicates of unique jobs are not counted). Chunks before the
+    first unique job: one COPY. From there on: one COPY in a savepoint, kept if every key was
+    new; on a key some job already has, those chunks are written again with ON CONFLICT."""
     count = 0
     with conn.cursor() as cur:
         now_row = cur.execute(q.database_now).fetchone()
         assert now_row is not None
-        with conn.transaction(), cur.copy(q.copy_jobs) as copy:
-            for rows in chunks:
-                copy.write(_copy_text(rows, now_row[0]))
-                count += len(rows)
-    return count
+        db_now = now_row[0]
+        with conn.transaction():
+            it = iter(chunks)
+            rows = next(it, None)
+            if rows is not None and not _has_unique(rows):
+                with cur.copy(q.copy_jobs) as copy:
+                    while rows is not None and not _has_unique(rows):
+                        copy.write(_copy_text(rows, db_now))
+                        count += len(rows)
+                        rows = next(it, None)
+            if rows is None:
+                return count
+            seen: list[Sequence[JobRow]] = []
+            try:
+                with conn.transaction(), cur.copy(q.copy_jobs) as copy:
+                    while rows is not None:
+                        seen.append(rows)
+                        if _repeats_a_key(rows):
+                            raise _RepeatedKey
+                        copy.write(_copy_text(rows, db_now))
+                        rows = next(it, None)
+                return count + sum(len(r) for r in seen)
+            except psycopg.errors.UniqueViolation as exc:
+                if not _is_key_conflict(exc):
+                    raise
+            except _RepeatedKey:
+                pass
+            return count + _mixed(conn, cur, q, itertools.chain(seen, it), db_now)
 
 
 async def copy_rows_async(
@@ -329,8 +650,31 @@ async def copy_rows_async(
         await cur.execute(q.database_now)
         now_row = await cur.fetchone()
         assert now_row is not None
-        async with conn.transaction(), cur.copy(q.copy_jobs) as copy:
-            for rows in chunks:
-                await copy.write(_copy_text(rows, now_row[0]))
-                count += len(rows)
-    return count
+        db_now = now_row[0]
+        async with conn.transaction():
+            it = iter(chunks)
+            rows = next(it, None)
+            if rows is not None and not _has_unique(rows):
+                async with cur.copy(q.copy_jobs) as copy:
+                    while rows is not None and not _has_unique(rows):
+                        await copy.write(_copy_text(rows, db_now))
+                        count += len(rows)
+                        rows = next(it, None)
+            if rows is None:
+                return count
+            seen: list[Sequence[JobRow]] = []
+            try:
+                async with conn.transaction(), cur.copy(q.copy_jobs) as copy:
+                    while rows is not None:
+                        seen.append(rows)
+                        if _repeats_a_key(rows):
+                            raise _RepeatedKey
+                        await copy.write(_copy_text(rows, db_now))
+                        rows = next(it, None)
+                return count + sum(len(r) for r in seen)
+            except psycopg.errors.UniqueViolation as exc:
+                if not _is_key_conflict(exc):
+                    raise
+            except _RepeatedKey:
+                pass
+            return count + await _mixed_async(conn, cur, q, itertools.chain(seen, it), db_now)

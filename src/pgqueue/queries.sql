@@ -9,10 +9,85 @@ VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
         %(max_attempts)s)
 RETURNING id
 
+-- name: insert_unique_job
+-- A unique job (concepts/uniqueness.md). PostgreSQL enforces the key: of two producers racing
+-- with one key, the second waits for the first's transaction and lands in ON CONFLICT, never
+-- beside it. The existing job is the answer while the rule still holds for it (the WHERE, checked
+-- on its newest version under the row lock): 'replace' then takes the new arguments and
+-- priority, 'debounce' those and the later run_at, but only while the existing job waits (a
+-- running job is left alone). A job that no longer holds its key (finished; running under the
+-- 'waiting' rule; succeeded longer ago than unique_for) returns no row: the producer releases
+-- its key (release_unique_keys) and runs this again. So the rule is applied by the next enqueue
+-- with the key, never on the claim, ack or reap path, and the common case is one statement.
+-- RETURNING: the id, whether it is an existing job (ON CONFLICT's lock sets its xmax), and
+-- whether that job took the new values.
+INSERT INTO {schema}.pgqueue_jobs AS j
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for)
+VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
+        COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
+        %(max_attempts)s, %(unique_key)s, %(unique_while)s, %(unique_for)s)
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE
+SET args = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
+                THEN EXCLUDED.args ELSE j.args END,
+    priority = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
+                    THEN EXCLUDED.priority ELSE j.priority END,
+    run_at = CASE WHEN %(on_conflict)s = 'debounce' AND j.status IN ('queued', 'retrying')
+                  THEN greatest(j.run_at, EXCLUDED.run_at) ELSE j.run_at END
+WHERE j.status IN ('queued', 'retrying')
+       OR (j.status = 'running' AND j.unique_while IS NOT DISTINCT FROM 'active')
+       OR (j.status = 'succeeded' AND j.unique_for IS NOT NULL
+           AND j.finished_at + make_interval(secs => j.unique_for) > now())
+RETURNING j.id, j.xmax <> 0,
+          j.xmax <> 0 AND %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
+
+-- name: insert_unique_jobs
+-- insert_unique_job for a bulk enqueue, one chunk of rows given as arrays (a COPY cannot say
+-- ON CONFLICT). Keys are distinct within a chunk (the producer merges repeats first: one
+-- statement cannot update a row twice) and one on_conflict applies to the chunk. Rows without a
+-- key are plain inserts. RETURNING names the keys answered; the producer releases the keys of
+-- the rest (their jobs no longer hold them) and runs those rows again.
+INSERT INTO {schema}.pgqueue_jobs AS j
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for)
+SELECT d.queue, d.task, d.args::jsonb, d.priority, d.run_at, d.max_attempts, d.unique_key,
+       d.unique_while, d.unique_for
+FROM unnest(%(queues)b::text[], %(tasks)b::text[], %(args)b::text[], %(priorities)b::int[],
+            %(run_ats)b::timestamptz[], %(max_attempts)b::int[], %(keys)b::text[],
+            %(whiles)b::text[], %(fors)b::float8[])
+     WITH ORDINALITY
+     AS d(queue, task, args, priority, run_at, max_attempts, unique_key, unique_while,
+          unique_for, ord)
+ORDER BY d.ord
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE
+SET args = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
+                THEN EXCLUDED.args ELSE j.args END,
+    priority = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
+                    THEN EXCLUDED.priority ELSE j.priority END,
+    run_at = CASE WHEN %(on_conflict)s = 'debounce' AND j.status IN ('queued', 'retrying')
+                  THEN greatest(j.run_at, EXCLUDED.run_at) ELSE j.run_at END
+WHERE j.status IN ('queued', 'retrying')
+       OR (j.status = 'running' AND j.unique_while IS NOT DISTINCT FROM 'active')
+       OR (j.status = 'succeeded' AND j.unique_for IS NOT NULL
+           AND j.finished_at + make_interval(secs => j.unique_for) > now())
+RETURNING j.unique_key, j.xmax = 0
+
+-- name: release_unique_keys
+-- Keys whose job no longer holds them (the rule of insert_unique_job, negated) are cleared, so
+-- the next insert can take them. The job itself is untouched. One index probe per key.
+UPDATE {schema}.pgqueue_jobs o SET unique_key = NULL
+WHERE o.unique_key = ANY(%(keys)s::text[])
+  AND NOT (o.status IN ('queued', 'retrying')
+       OR (o.status = 'running' AND o.unique_while IS NOT DISTINCT FROM 'active')
+       OR (o.status = 'succeeded' AND o.unique_for IS NOT NULL
+           AND o.finished_at + make_interval(secs => o.unique_for) > now()))
+
 -- name: copy_jobs
 -- Bulk enqueue. COPY fires the statement-level trigger once for the whole batch. Text format:
 -- the producer writes pre-formatted, escaped lines, cheaper than formatting binary rows in Python.
-COPY {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts)
+-- Unique jobs are copied too, optimistically: a key that some job already carries fails the
+-- COPY (pgqueue_jobs_unique_idx), its savepoint rolls back, and the producer writes those chunks
+-- again with insert_unique_jobs, which answers duplicates. A batch of new keys costs a COPY.
+COPY {schema}.pgqueue_jobs
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for)
 FROM STDIN
 
 -- name: database_now
@@ -40,7 +115,7 @@ SELECT j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.status::text, j.at
        j.max_attempts, j.lease_token,
        CASE WHEN j.status = 'running' THEN COALESCE(j.lease_expires_at, w.lease_expires_at) END,
        j.worker_id, j.last_error, j.result, j.created_at, j.claimed_at, j.started_at,
-       j.finished_at
+       j.finished_at, j.unique_key
 FROM {schema}.pgqueue_jobs j
 LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
 WHERE j.id = %(id)s

@@ -90,6 +90,9 @@ def _sections() -> dict[str, str]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Queries:
     insert_job: bytes
+    insert_unique_job: bytes
+    insert_unique_jobs: bytes
+    release_unique_keys: bytes
     copy_jobs: bytes
     database_now: bytes
     announce_waiting: bytes

@@ -15,6 +15,8 @@ from . import producer
 from .backoff import Backoff
 from .context import JobContext
 from .errors import ConfigurationError, InvalidJobError
+from .jobs import Enqueued
+from .unique import OnConflict, UniqueBy, UniqueRule, UniqueWhile, combine
 
 if TYPE_CHECKING:
     from .app import App
@@ -79,6 +81,9 @@ class TaskOptions:
     delay: float | timedelta | None = None
     run_at: datetime | None = None
     connection: Connection | None = None
+    unique: UniqueRule | None = None
+    #: The caller's own key for one call (configure(unique_key=...)).
+    unique_key: str | None = None
 
 
 class Task(Generic[P, R]):
@@ -136,10 +141,24 @@ class Task(Generic[P, R]):
         delay: float | timedelta | None = None,
         run_at: datetime | None = None,
         connection: Connection | None = None,
+        unique: UniqueBy | None = None,
+        unique_key: str | None = None,
+        unique_while: UniqueWhile | None = None,
+        unique_for: float | timedelta | None = None,
+        on_conflict: OnConflict | None = None,
     ) -> ConfiguredTask[P]:
-        """Per-call options; ``connection`` enqueues inside the caller's own transaction.
-        They are checked here, so a bad one is refused where it is written."""
+        """Per-call options; ``connection`` enqueues inside the caller's own transaction;
+        ``unique_key`` (and the other ``unique`` options) make this call's job unique, or change
+        the task's rule. They are checked here, so a bad one is refused where it is written."""
         producer.check_delay(delay, run_at)
+        rule, key = combine(
+            self.options.unique,
+            unique=unique,
+            unique_key=unique_key if unique_key is not None else self.options.unique_key,
+            unique_while=unique_while,
+            unique_for=unique_for,
+            on_conflict=on_conflict,
+        )
         if queue is not None:
             producer.check_name("queue", queue, producer.MAX_QUEUE_LENGTH)
         if priority is not None:
@@ -158,12 +177,13 @@ class Task(Generic[P, R]):
             }.items()
             if v is not None
         }
+        changes["unique"], changes["unique_key"] = rule, key
         return ConfiguredTask(self, replace(self.options, **changes))
 
-    def enqueue(self, *args: Any, **kwargs: Any) -> int:
+    def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
         return ConfiguredTask(self, self.options).enqueue(*args, **kwargs)
 
-    async def enqueue_async(self, *args: Any, **kwargs: Any) -> int:
+    async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         return await ConfiguredTask(self, self.options).enqueue_async(*args, **kwargs)
 
 
@@ -178,7 +198,7 @@ class ConfiguredTask(Generic[P]):
         self.task.check_args(kwargs)
         return kwargs
 
-    def enqueue(self, *args: Any, **kwargs: Any) -> int:
+    def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
         conn = o.connection
         if conn is not None and not isinstance(conn, psycopg.Connection):
@@ -192,9 +212,10 @@ class ConfiguredTask(Generic[P]):
             delay=o.delay,
             run_at=o.run_at,
             connection=conn,
+            **_unique_options(self.task, o),
         )
 
-    async def enqueue_async(self, *args: Any, **kwargs: Any) -> int:
+    async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
         conn = o.connection
         if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
@@ -208,4 +229,20 @@ class ConfiguredTask(Generic[P]):
             delay=o.delay,
             run_at=o.run_at,
             connection=conn,
+            **_unique_options(self.task, o),
         )
+
+
+def _unique_options(task: Task[Any, Any], options: TaskOptions) -> dict[str, Any]:
+    """A configured call's unique rule, as app.enqueue's options (which start from the task's
+    rule again: say every part, or turn it off)."""
+    rule = options.unique
+    if rule is None:
+        return {"unique": False} if task.options.unique is not None else {}
+    return {
+        "unique": rule.by,
+        "unique_key": options.unique_key,
+        "unique_while": rule.while_,
+        "unique_for": rule.for_,
+        "on_conflict": rule.on_conflict,
+    }

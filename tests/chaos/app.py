@@ -48,8 +48,12 @@ CREATE TABLE IF NOT EXISTS chaos_effects (
 
 @app.task(max_attempts=8)
 async def effect(
-    ctx: pgqueue.JobContext, conn: psycopg.AsyncConnection[Any], seconds: float = 0.0
+    ctx: pgqueue.JobContext,
+    conn: psycopg.AsyncConnection[Any],
+    seconds: float = 0.0,
+    key: str | None = None,
 ) -> str:
+    """``key``: set on the unique jobs among them (enqueued with that unique_key)."""
     await history.record(app.dsn, ctx, "start")
     await asyncio.sleep(seconds)
     await conn.execute(

@@ -40,6 +40,7 @@ class Result:
     stale_accepted: int
     zombie_attempts: int
     attempts_exceeded: int
+    duplicate_unique: int
     recovery: list[float]
     recovery_bound: float
     checks: dict[str, bool] = field(default_factory=dict)
@@ -159,6 +160,7 @@ def check(
         attempts_exceeded=_one(
             conn, "SELECT count(*) FROM pgqueue_jobs WHERE attempts > max_attempts"
         ),
+        duplicate_unique=history.duplicate_unique_jobs(conn),
         recovery=recovery,
         recovery_bound=recovery_bound,
     )
@@ -168,6 +170,7 @@ def check(
         "every success has its effect": missing_effects == 0,
         "no stale write accepted": result.stale_accepted == 0,
         "attempts within max_attempts": result.attempts_exceeded == 0,
+        "no two jobs held one unique key at once": result.duplicate_unique == 0,
         "every duplicate explained by a lost lease": result.unexplained_duplicates == 0,
         "recovery within lease + reaper interval": all(t <= recovery_bound for t in recovery),
     }

@@ -34,6 +34,8 @@ from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.chaos.app:app"
+#: Keys of the unique jobs the feeder mixes in: few, so most of them meet a job holding theirs.
+UNIQUE_KEYS = 12
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
@@ -188,7 +190,9 @@ class Run:
     def feed(self) -> None:
         """Enqueue at the configured rate, in a thread, until done or ``stop``. A batch whose
         COPY failed (the server restarting) is retried; ``acknowledged`` counts the jobs whose
-        commit the client saw, which must all exist at the end."""
+        commit the client saw, which must all exist at the end. Every third batch is unique
+        jobs over a few keys (most of them duplicates, refused while a job with the key is
+        queued, retrying or running): the checker counts any two that held one key at once."""
         rng = random.Random(self.rng.random())
         period = 0.1
         per_batch = max(1, round(self.config.rate * period))
@@ -200,14 +204,23 @@ class Run:
             next_at = time.monotonic()
             while sent < total and not self._feeding.is_set():
                 n = min(per_batch, total - sent)
-                batch = [("effect", {"seconds": round(rng.uniform(0, 2 * mean), 4)})] * n
+                batch: list[Any] = [("effect", {"seconds": round(rng.uniform(0, 2 * mean), 4)})] * n
+                if (sent // per_batch) % 3 == 2:
+                    keys = [f"k{rng.randrange(UNIQUE_KEYS)}" for _ in range(n)]
+                    # Longer than the others, so that a key's job is often still running
+                    # when the next batch brings the key again.
+                    batch = [
+                        {"task": "effect", "unique_key": key,
+                         "args": {"seconds": round(rng.uniform(0.2, 0.6), 4), "key": key}}
+                        for key in keys
+                    ]  # fmt: skip
                 try:
-                    self.app.enqueue_many(batch, allow_unknown=True)
+                    written = self.app.enqueue_many(batch, allow_unknown=True)
                 except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
                     time.sleep(0.2)
                     continue
                 sent += n
-                self.acknowledged += n
+                self.acknowledged += written
                 next_at += period
                 time.sleep(max(0.0, next_at - time.monotonic()))
 

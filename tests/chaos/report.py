@@ -6,8 +6,9 @@ from tests.chaos.checker import Result
 
 HEADER = (
     "| scenario | jobs | faults | lost | duplicate effects | duplicate executions "
-    "| zombie attempts | stale writes rejected / accepted | recovery p50 / p95 / max | result |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"
+    "| zombie attempts | stale writes rejected / accepted | duplicate unique jobs "
+    "| recovery p50 / p95 / max | result |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
 )
 
 
@@ -16,6 +17,7 @@ def row(result: Result) -> str:
     return (
         f"| {result.scenario} | {result.jobs:,} | {result.faults} | {result.lost} "
         f"| {result.duplicate_effects} | {result.duplicate_executions} "
-        f"| {result.zombie_attempts} | {result.stale_rejected} / {result.stale_accepted} | {result.recovery_summary()} "
+        f"| {result.zombie_attempts} | {result.stale_rejected} / {result.stale_accepted} "
+        f"| {result.duplicate_unique} | {result.recovery_summary()} "
         f"| {verdict} |"
     )

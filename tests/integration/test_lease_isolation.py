@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -29,14 +29,14 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
 
 
-def job_states(conn: Conn, ids: list[int]) -> dict[int, tuple[str, int]]:
+def job_states(conn: Conn, ids: Sequence[int]) -> dict[int, tuple[str, int]]:
     rows = conn.execute(
         "SELECT id, status::text, attempts FROM pgqueue_jobs WHERE id = ANY(%s)", (ids,)
     ).fetchall()
     return {int(r[0]): (str(r[1]), int(r[2])) for r in rows}
 
 
-def all_succeeded_once(conn: Conn, ids: list[int]) -> bool:
+def all_succeeded_once(conn: Conn, ids: Sequence[int]) -> bool:
     return set(job_states(conn, ids).values()) == {("succeeded", 1)}
 
 

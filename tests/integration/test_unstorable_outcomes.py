@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +31,7 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
 
 
-def statuses(conn: Conn, ids: list[int]) -> dict[int, tuple[str, int, str | None]]:
+def statuses(conn: Conn, ids: Sequence[int]) -> dict[int, tuple[str, int, str | None]]:
     rows = conn.execute(
         "SELECT id, status::text, attempts, last_error FROM pgqueue_jobs WHERE id = ANY(%s)",
         (ids,),
@@ -39,7 +39,7 @@ def statuses(conn: Conn, ids: list[int]) -> dict[int, tuple[str, int, str | None
     return {int(r[0]): (str(r[1]), int(r[2]), r[3]) for r in rows}
 
 
-def none_running(conn: Conn, ids: list[int]) -> bool:
+def none_running(conn: Conn, ids: Sequence[int]) -> bool:
     """Every attempt of these jobs recorded: none waits or runs."""
     return all(status not in ("queued", "running") for status, _, _ in statuses(conn, ids).values())
 

@@ -9,6 +9,7 @@ API to create a million finished jobs.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,10 @@ class PgqueueAdapter:
         self.on_start: Callable[[int], None] = lambda seq: None
         self.sleep = 0.0
 
-        @self.app.task
+        # The "unique jobs" variant: the same jobs, each with a key of its own (never a duplicate).
+        unique = os.environ.get("PGQUEUE_BENCH_UNIQUE") == "1"
+
+        @self.app.task(unique=True if unique else None)
         async def noop(seq: int) -> None:
             self.on_start(seq)
             if self.sleep:

@@ -169,9 +169,10 @@ class Plan:
 
 
 def pgqueue_systems() -> list[System]:
-    """pgqueue, and two variants for the single-row enqueue workloads, never compared with the
-    peers: with a worker waiting for work (so every commit notifies, what NOTIFY costs concurrent
-    producers) and with the NOTIFY trigger off. In the plain run no worker waits, as when every
+    """pgqueue, and three variants for the enqueue workloads, never compared with the peers:
+    with a worker waiting for work (so every commit notifies, what NOTIFY costs concurrent
+    producers), with the NOTIFY trigger off, and with every job unique (``unique=True``, every
+    key new: what the unique path costs). In the plain run no worker waits, as when every
     worker is busy, and producers skip NOTIFY."""
     argv = [sys.executable, "-m", "pgqueue.bench.adapter"]
     return [
@@ -191,6 +192,14 @@ def pgqueue_systems() -> list[System]:
             argv=argv,
             after_install=["ALTER TABLE pgqueue_jobs DISABLE TRIGGER pgqueue_jobs_notify_ready"],
             workloads={"enqueue_1", "enqueue_4"},
+        ),
+        System(
+            key="pgqueue-unique",
+            label="pgqueue, unique jobs",
+            family="pgqueue",
+            argv=argv,
+            env={"PGQUEUE_BENCH_UNIQUE": "1"},
+            workloads={"enqueue_1", "enqueue_4", "enqueue_bulk"},
         ),
     ]
 
