@@ -150,6 +150,12 @@ def migrate(dsn: str | None, schema: str, lock_timeout: float, timeout: float) -
 @click.option("--delay", type=float, default=None, help="Seconds to wait before running.")
 @click.option("--priority", type=int, default=None, help="Higher runs first.")
 @click.option("--max-attempts", type=int, default=None)
+@click.option(
+    "--unique-key",
+    default=None,
+    help="Make the job unique under this key: if a job of TASK holds it, print that job's id "
+    "(with '(duplicate)') and write nothing.",
+)
 @click.option("--app", "app_spec", default=None, help="module:app, to check the task exists.")
 @db_options
 @friendly_errors
@@ -160,11 +166,13 @@ def enqueue(
     delay: float | None,
     priority: int | None,
     max_attempts: int | None,
+    unique_key: str | None,
     app_spec: str | None,
     dsn: str | None,
     schema: str,
 ) -> None:
-    """Queue a job for TASK and print its id."""
+    """Queue a job for TASK and print its id (a unique task's duplicate: the holding job's id,
+    followed by "(duplicate)")."""
     try:
         args = json.loads(args_json)
     except ValueError as exc:  # JSONDecodeError, or an integer with too many digits
@@ -182,8 +190,9 @@ def enqueue(
         priority=priority,
         max_attempts=max_attempts,
         allow_unknown=app_spec is None,
+        unique_key=unique_key,
     )
-    click.echo(job_id)
+    click.echo(f"{job_id} (duplicate)" if job_id.duplicate else job_id)
 
 
 @main.command()

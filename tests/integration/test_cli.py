@@ -84,6 +84,20 @@ def test_migrate_refuses_a_timeout_that_is_not_positive(
     assert f"Invalid value for '{option}'" in result.stderr
 
 
+def test_enqueue_with_a_unique_key_prints_the_holding_jobs_id_the_second_time(
+    runner: CliRunner, dsn: str, conn: Conn
+) -> None:
+    first = run(runner, "enqueue", "hook", "--unique-key", "evt-1", "--dsn", dsn)
+    second = run(runner, "enqueue", "hook", "--unique-key", "evt-1", "--dsn", dsn)
+    assert first.exit_code == 0 and second.exit_code == 0, second.output
+    job_id = int(first.output.strip())
+    assert second.output.strip() == f"{job_id} (duplicate)"
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (1,)
+    too_long = run(runner, "enqueue", "hook", "--unique-key", "k" * 1001, "--dsn", dsn)
+    assert too_long.exit_code != 0 and "the limit is 1,000" in too_long.output
+    assert "Traceback" not in too_long.output
+
+
 def test_enqueue_job_status_cancel_requeue(runner: CliRunner, dsn: str, conn: Conn) -> None:
     result = run(
         runner,
