@@ -200,3 +200,29 @@ def test_pgbouncer_refuses_the_dashboards_read_only_session_options(dsn: str) ->
     with pgbouncer(dsn, "session") as through, pytest.raises(psycopg.OperationalError) as error:
         psycopg.connect(through, **session_options(through, 5000)).close()
     assert "unsupported" in str(error.value)
+
+
+@requires_pgbouncer
+@pytest.mark.timeout(120)
+def test_unique_jobs_through_transaction_pooling(dsn: str, conn: Conn) -> None:
+    """Unique enqueues use more than one statement (an ON CONFLICT fallback, a savepoint around
+    the optimistic COPY, a pipeline of chunks): each stays inside one transaction, so a
+    transaction-pooling PgBouncer serves them like any other enqueue."""
+    with pgbouncer(dsn, "transaction") as through:
+        producer = pgqueue.App(through, prepared_statements=False)
+        try:
+            first = producer.enqueue("greet", {"name": "a"}, unique_key="a", allow_unknown=True)
+            again = producer.enqueue("greet", {"name": "b"}, unique_key="a", allow_unknown=True)
+            assert again.duplicate and again == first
+            batch: list[Any] = [
+                {"task": "greet", "args": {"name": str(n)}, "unique_key": str(n % 700)}
+                for n in range(1400)
+            ]
+            assert producer.enqueue_many(batch, allow_unknown=True) == 700
+            conn.execute("UPDATE pgqueue_jobs SET status = 'succeeded', finished_at = now()")
+            assert producer.enqueue_many(batch, allow_unknown=True) == 700
+            assert not producer.enqueue(
+                "greet", {"name": "c"}, unique_key="a", allow_unknown=True
+            ).duplicate
+        finally:
+            producer.close()
