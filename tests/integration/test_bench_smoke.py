@@ -36,12 +36,15 @@ def test_bench_runs_and_prints_json(pg_server: Server, tmp_path: Path) -> None:
     report = json.loads(out.stdout)
     medians = report["medians"]
     assert medians["enqueue_bulk"]["pgqueue"]["rate"] > 0
-    # Single-row producers run three ways: nobody waiting, a worker waiting, trigger off.
+    # Single-row producers run four ways: nobody waiting, a worker waiting, trigger off, and
+    # every job unique; bulk runs plain and unique.
     assert {k for k, v in medians["enqueue_4"].items() if v["rate"] > 0} == {
         "pgqueue",
         "pgqueue-waiting",
         "pgqueue-no-notify",
+        "pgqueue-unique",
     }
+    assert medians["enqueue_bulk"]["pgqueue-unique"]["rate"] > 0
     latency = medians["latency_notify"]["pgqueue"]
     assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
     assert report["postgresql"]["fsync"] == "on"

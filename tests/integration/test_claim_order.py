@@ -70,8 +70,11 @@ ORDER BY priority DESC, run_at, id
 
 
 def fill(conn: Conn, rows: list[Row]) -> list[int]:
-    """The rows as jobs (in list order, so ids follow it); their ids."""
-    conn.execute("TRUNCATE pgqueue_jobs")
+    """The rows as jobs (in list order, so ids follow it); their ids. DELETE, not TRUNCATE:
+    TRUNCATE's exclusive lock waits for autovacuum to give way (up to deadlock_timeout, 1 s),
+    and this table's aggressive autovacuum settings start it between examples; on a loaded
+    machine that made a hundred examples outlast the test's timeout."""
+    conn.execute("DELETE FROM pgqueue_jobs")
     if not rows:
         return []
     queues, priorities, statuses, offsets, _ = map(list, zip(*rows, strict=True))
