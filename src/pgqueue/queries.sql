@@ -67,6 +67,26 @@ RETURNING id
 SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
 GROUP BY queue, status ORDER BY queue, status
 
+-- name: pause_queue
+-- A queue gets its row the first time it is paused. Only a change returns the name, so the
+-- caller can say whether the queue was already paused (its paused_at then stays).
+INSERT INTO {schema}.pgqueue_queues AS q (name, paused, paused_at)
+VALUES (%(name)s, true, now())
+ON CONFLICT (name) DO UPDATE SET paused = true, paused_at = now(), updated_at = now()
+WHERE NOT q.paused
+RETURNING q.name
+
+-- name: resume_queue
+-- The row stays (paused_at records the last pause). The caller then runs wake_waiting_workers
+-- in a later transaction, once this one has committed: a worker that starts waiting after that
+-- look still sees the queue resumed in the claim it makes as it starts waiting.
+UPDATE {schema}.pgqueue_queues SET paused = false, updated_at = now()
+WHERE name = %(name)s AND paused
+RETURNING name
+
+-- name: paused_queues
+SELECT name, paused_at FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
+
 -- name: claim_jobs
 -- One statement claims a batch: due jobs in the order priority DESC, run_at, id. The inner SELECT
 -- is a range scan of pgqueue_jobs_ready_idx in exactly its order; SKIP LOCKED lets any number of
@@ -105,6 +125,7 @@ WITH claimed AS (
     WHERE j.id = ANY(ARRAY(
         SELECT id FROM {schema}.pgqueue_jobs
         WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+          AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
           AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
           AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
                       WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
@@ -170,7 +191,7 @@ WITH claimed AS (
             SELECT id FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND priority = g.priority
                   AND (run_at, id) >= (g.first_run_at, g.first_id) AND run_at <= now()
-                  {queue_filter}
+                  {queue_filter} AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -182,6 +203,7 @@ WITH claimed AS (
             SELECT id FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
                   AND priority < (SELECT priority FROM groups WHERE depth = 32)
+                  AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY priority DESC, run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -219,11 +241,13 @@ WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
     WHERE g.depth < 32
 )
 SELECT extract(epoch FROM least(
-    (SELECT min(CASE WHEN g.first_run_at > now() THEN g.first_run_at ELSE (
+    (SELECT min(CASE WHEN g.first_run_at > now()
+                          AND NOT EXISTS (SELECT FROM {schema}.pgqueue_queues WHERE paused)
+                     THEN g.first_run_at ELSE (
         SELECT min(f.run_at) FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
             SELECT run_at FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND priority = g.priority AND run_at > now()
-                  {queue_match}
+                  {queue_match} AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
             ORDER BY run_at LIMIT 1
         ) f
     ) END) FROM groups g WHERE g.depth > 0),
