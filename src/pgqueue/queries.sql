@@ -103,6 +103,13 @@ SELECT name, paused_at FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
 -- EXISTS is a one-time filter, evaluated once per claim). %(tasks)s is NULL unless the worker met
 -- a task it does not know (a rolling deploy): it then claims only its own tasks and leaves the
 -- others' jobs queued for workers that know them.
+-- Jobs of paused queues (pgqueue_queues) are skipped: the ARRAY of paused names is an
+-- uncorrelated subquery, so PostgreSQL reads that small table once per claim (an InitPlan), not
+-- per row. `queue || ''` hides the column from the planner's statistics: with a few distinct
+-- queues it would estimate `queue <> ALL(unknown array)` to keep almost no row, and then sort
+-- a bitmap scan of every waiting job instead of reading the index in order. Paused rows that
+-- lie ahead in claim order are read and skipped; a worker whose every queue is paused reads
+-- none (the one-time filter in sql.IN_QUEUES).
 -- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
 -- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
 -- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
@@ -166,7 +173,10 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- rows there too (its custom plan folds `queue = (queues)[1]` into an equality, which an index
 -- scans in order; `queue = ANY` alone cannot).
 -- The batch's LIMIT (claim_limit) is hidden in a subquery or not as in claim_jobs. The worker's
--- live lease gates the walk's first row (no live lease: no priorities, no rows).
+-- live lease gates the walk's first row (no live lease: no priorities, no rows). Paused queues
+-- are skipped as in claim_jobs, where the due rows are read: the walk over all queues still
+-- finds their priorities, and their due rows are read and skipped; the walk over listed queues
+-- leaves paused ones out.
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
@@ -227,6 +237,12 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- (per listed queue in next_ready_at_in_queues), however many jobs wait. Beyond the 32 highest
 -- priorities the rest is one scan of their waiting jobs, as in claim_jobs_by_priority. Rendered
 -- twice like claim_jobs (sql.VARIANTS).
+-- Jobs of paused queues are not work the worker could claim, due or not: counting them would
+-- wake an idle worker each time one falls due, to claim nothing. While any queue is paused the
+-- earliest future job of each priority is looked up past them (one descent while nothing is
+-- paused, when a priority's first entry is its answer). The scan beyond 32 priorities still
+-- counts them: filtering there needs the heap, and the planner then reads the whole table; an
+-- early wake-up is all they can cost.
 WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
     VALUES (0, 2147483648, NULL::timestamptz, NULL::bigint)
     UNION ALL

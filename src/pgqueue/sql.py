@@ -36,9 +36,10 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
 #: the priorities (claim_jobs_by_priority, next_ready_at) probes each listed queue
 #: (``queue_list``, ``queue_match``: an equality, which pgqueue_jobs_ready_queue_idx scans in
 #: order), and the rows read are those of any listed queue (``queue_filter``; for a single queue
-#: the custom plan folds its second condition into ``queue = 'name'``, an equality again). Its
-#: last condition is a one-time filter: a worker whose every queue is paused reads no row at
-#: all, rather than every waiting row of its queues only to skip them as paused.
+#: the custom plan folds its second condition into ``queue = 'name'``, an equality again).
+#: Paused queues cost no read (see claim_jobs): the walk leaves them out by a check on the
+#: listed name, made before its descent, and the row filter's last condition is a one-time
+#: filter, so a worker whose every queue is paused reads no row rather than skip them all.
 IN_QUEUES = {
     "queue_list": "unnest(%(queues)s::text[])",
     "queue_match": "AND queue = l.queue"
