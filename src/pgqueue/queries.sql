@@ -201,7 +201,9 @@ WITH claimed AS (
             SELECT id FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND priority = g.priority
                   AND (run_at, id) >= (g.first_run_at, g.first_id) AND run_at <= now()
-                  {queue_filter} AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+                  {queue_filter}
+                  AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -213,7 +215,8 @@ WITH claimed AS (
             SELECT id FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
                   AND priority < (SELECT priority FROM groups WHERE depth = 32)
-                  AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+                  AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY priority DESC, run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -263,7 +266,9 @@ SELECT extract(epoch FROM least(
         SELECT min(f.run_at) FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
             SELECT run_at FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND priority = g.priority AND run_at > now()
-                  {queue_match} AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+                  {queue_match}
+                  AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
             ORDER BY run_at LIMIT 1
         ) f
     ) END) FROM groups g WHERE g.depth > 0),
