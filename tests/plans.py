@@ -70,3 +70,17 @@ def claim_selection(plan: dict[str, Any]) -> dict[str, Any]:
         and any(n["Node Type"] == "LockRows" for n in nodes(child))
     ]
     return dict(selection)
+
+
+def without_paused_lookups(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of a plan but its reads of pgqueue_queues, after checking that each of those
+    is an InitPlan that ran at most once: the paused-queue filter costs one lookup per statement,
+    never one per row or per loop (see claim_jobs)."""
+    found = []
+    for node in nodes(plan):
+        if node.get("Relation Name") == "pgqueue_queues":
+            assert node["Parent Relationship"] == "InitPlan", node
+            assert node["Actual Loops"] <= 1, node
+        else:
+            found.append(node)
+    return found

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from . import db, pools, producer, schedules
+from . import db, pools, producer, queues, schedules
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
@@ -557,6 +557,38 @@ class App:
             lambda conn: conn.execute(self.q.status_counts).fetchall(), read_only=True
         )
         return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]
+
+    # --- pausing queues -------------------------------------------------------------------
+
+    def pause_queue(self, name: str) -> bool:
+        """Stop every worker from claiming jobs of queue ``name`` until ``resume_queue``;
+        returns False if it was paused already. Running jobs finish and are acked as usual;
+        enqueues are still accepted. The pause is kept in the database: restarts keep it."""
+        queue = queues.check_queue(name)
+        return self._sync_pool().run(lambda conn: queues.pause(conn, self.q, queue))
+
+    def resume_queue(self, name: str) -> bool:
+        """Let workers claim queue ``name`` again, and wake the idle ones at once; returns False
+        if it was not paused."""
+        queue = queues.check_queue(name)
+        return self._sync_pool().run(lambda conn: queues.resume(conn, self.q, queue))
+
+    async def pause_queue_async(self, name: str) -> bool:
+        """``pause_queue`` for async code."""
+        queue = queues.check_queue(name)
+        pool = await self._async_pool()
+        return await pool.run(lambda conn: queues.pause_async(conn, self.q, queue))
+
+    async def resume_queue_async(self, name: str) -> bool:
+        """``resume_queue`` for async code."""
+        queue = queues.check_queue(name)
+        pool = await self._async_pool()
+        return await pool.run(lambda conn: queues.resume_async(conn, self.q, queue))
+
+    def paused_queues(self) -> list[str]:
+        """The names of the paused queues, sorted."""
+        rows = self._sync_pool().run(lambda conn: queues.paused(conn, self.q), read_only=True)
+        return [name for name, _ in rows]
 
     def migrate(
         self, *, lock_timeout: float | None = None, timeout: float | None = None

@@ -10,12 +10,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import click
 import psycopg
 
-from . import __version__
+from . import __version__, queues
 from .app import App
 from .bench.cli import bench_command
 from .db import validate_schema
@@ -247,6 +248,30 @@ def job(job_id: int, as_json: bool, dsn: str | None, schema: str) -> None:
             click.echo(f"{key}: {text}")
 
 
+STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled")
+
+
+def echo_counts(
+    counts: list[tuple[str, str, int]], paused: dict[str, datetime] | None = None
+) -> None:
+    """Jobs per queue and status, one line per queue; with ``paused``, queues without jobs too,
+    and a last column that says which are paused and since when (UTC)."""
+    table: dict[str, dict[str, int]] = {}
+    for queue, state, count in counts:
+        table.setdefault(queue, {})[state] = count
+    for queue in paused or {}:
+        table.setdefault(queue, {})
+    width = max(5, *(len(q) for q in table))
+    header = "queue".ljust(width) + "".join(s.rjust(11) for s in STATUSES)
+    click.echo(header if paused is None else header + "  state")
+    for queue, row in sorted(table.items()):
+        line = queue.ljust(width) + "".join(str(row.get(s, 0)).rjust(11) for s in STATUSES)
+        if paused is not None:
+            since = paused.get(queue)
+            line += f"  paused since {since.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC" if since else ""
+        click.echo(line)
+
+
 @main.command()
 @db_options
 @friendly_errors
@@ -256,14 +281,52 @@ def status(dsn: str | None, schema: str) -> None:
     if not counts:
         click.echo("no jobs")
         return
-    statuses = ["queued", "running", "retrying", "succeeded", "dead", "cancelled"]
-    table: dict[str, dict[str, int]] = {}
-    for queue, state, count in counts:
-        table.setdefault(queue, {})[state] = count
-    width = max(5, *(len(q) for q in table))
-    click.echo("queue".ljust(width) + "".join(s.rjust(11) for s in statuses))
-    for queue, row in table.items():
-        click.echo(queue.ljust(width) + "".join(str(row.get(s, 0)).rjust(11) for s in statuses))
+    echo_counts(counts)
+
+
+@main.group("queues")
+def queues_command() -> None:
+    """List queues, pause and resume them (the state is kept in the database)."""
+
+
+@queues_command.command("list")
+@db_options
+@friendly_errors
+def queues_list(dsn: str | None, schema: str) -> None:
+    """Every queue that has jobs or is paused: its jobs by status, and whether it is paused."""
+    app = make_app(dsn, schema)
+    counts = app.status_counts()
+    with app.connection() as conn:
+        paused = dict(queues.paused(conn, app.q))
+    if not counts and not paused:
+        click.echo("no queues: no jobs, and none paused")
+        return
+    echo_counts(counts, paused)
+
+
+@queues_command.command("pause")
+@click.argument("name")
+@db_options
+@friendly_errors
+def queues_pause(name: str, dsn: str | None, schema: str) -> None:
+    """Stop every worker from claiming NAME's jobs until `resume` (running jobs finish; jobs can
+    still be enqueued)."""
+    if make_app(dsn, schema).pause_queue(name):
+        click.echo(f"queue {name!r} paused")
+    else:
+        click.echo(f"queue {name!r} was already paused")
+
+
+@queues_command.command("resume")
+@click.argument("name")
+@db_options
+@friendly_errors
+def queues_resume(name: str, dsn: str | None, schema: str) -> None:
+    """Let workers claim NAME's jobs again; idle workers are woken at once."""
+    if make_app(dsn, schema).resume_queue(name):
+        click.echo(f"queue {name!r} resumed")
+    else:
+        click.echo(f"queue {name!r} was not paused")
 
 
 @main.command()

@@ -142,6 +142,26 @@ RETURNING id
 SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
 GROUP BY queue, status ORDER BY queue, status
 
+-- name: pause_queue
+-- A queue gets its row the first time it is paused. Only a change returns the name, so the
+-- caller can say whether the queue was already paused (its paused_at then stays).
+INSERT INTO {schema}.pgqueue_queues AS q (name, paused, paused_at)
+VALUES (%(name)s, true, now())
+ON CONFLICT (name) DO UPDATE SET paused = true, paused_at = now(), updated_at = now()
+WHERE NOT q.paused
+RETURNING q.name
+
+-- name: resume_queue
+-- The row stays (paused_at records the last pause). The caller then runs wake_waiting_workers
+-- in a later transaction, once this one has committed: a worker that starts waiting after that
+-- look still sees the queue resumed in the claim it makes as it starts waiting.
+UPDATE {schema}.pgqueue_queues SET paused = false, updated_at = now()
+WHERE name = %(name)s AND paused
+RETURNING name
+
+-- name: paused_queues
+SELECT name, paused_at FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
+
 -- name: claim_jobs
 -- One statement claims a batch: due jobs in the order priority DESC, run_at, id. The inner SELECT
 -- is a range scan of pgqueue_jobs_ready_idx in exactly its order; SKIP LOCKED lets any number of
@@ -158,6 +178,13 @@ GROUP BY queue, status ORDER BY queue, status
 -- EXISTS is a one-time filter, evaluated once per claim). %(tasks)s is NULL unless the worker met
 -- a task it does not know (a rolling deploy): it then claims only its own tasks and leaves the
 -- others' jobs queued for workers that know them.
+-- Jobs of paused queues (pgqueue_queues) are skipped: the ARRAY of paused names is an
+-- uncorrelated subquery, so PostgreSQL reads that small table once per claim (an InitPlan), not
+-- per row. `queue || ''` hides the column from the planner's statistics: with a few distinct
+-- queues it would estimate `queue <> ALL(unknown array)` to keep almost no row, and then sort
+-- a bitmap scan of every waiting job instead of reading the index in order. Paused rows that
+-- lie ahead in claim order are read and skipped; a worker whose every queue is paused reads
+-- none (the one-time filter in sql.IN_QUEUES).
 -- The locked ids reach the UPDATE as an array (id = ANY), not a join: a join's plan depends on
 -- the LIMIT parameter, and the generic plan for an unknown LIMIT assumes a tenth of the table and
 -- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
@@ -180,6 +207,7 @@ WITH claimed AS (
     WHERE j.id = ANY(ARRAY(
         SELECT id FROM {schema}.pgqueue_jobs
         WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+          AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
           AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
           AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
                       WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
@@ -220,7 +248,10 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- rows there too (its custom plan folds `queue = (queues)[1]` into an equality, which an index
 -- scans in order; `queue = ANY` alone cannot).
 -- The batch's LIMIT (claim_limit) is hidden in a subquery or not as in claim_jobs. The worker's
--- live lease gates the walk's first row (no live lease: no priorities, no rows).
+-- live lease gates the walk's first row (no live lease: no priorities, no rows). Paused queues
+-- are skipped as in claim_jobs, where the due rows are read: the walk over all queues still
+-- finds their priorities, and their due rows are read and skipped; the walk over listed queues
+-- leaves paused ones out.
 WITH claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
@@ -246,6 +277,8 @@ WITH claimed AS (
             WHERE status IN ('queued', 'retrying') AND priority = g.priority
                   AND (run_at, id) >= (g.first_run_at, g.first_id) AND run_at <= now()
                   {queue_filter}
+                  AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -257,6 +290,8 @@ WITH claimed AS (
             SELECT id FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
                   AND priority < (SELECT priority FROM groups WHERE depth = 32)
+                  AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY priority DESC, run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -280,6 +315,12 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- (per listed queue in next_ready_at_in_queues), however many jobs wait. Beyond the 32 highest
 -- priorities the rest is one scan of their waiting jobs, as in claim_jobs_by_priority. Rendered
 -- twice like claim_jobs (sql.VARIANTS).
+-- Jobs of paused queues are not work the worker could claim, due or not: counting them would
+-- wake an idle worker each time one falls due, to claim nothing. While any queue is paused the
+-- earliest future job of each priority is looked up past them (one descent while nothing is
+-- paused, when a priority's first entry is its answer). The scan beyond 32 priorities still
+-- counts them: filtering there needs the heap, and the planner then reads the whole table; an
+-- early wake-up is all they can cost.
 WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
     VALUES (0, 2147483648, NULL::timestamptz, NULL::bigint)
     UNION ALL
@@ -294,11 +335,15 @@ WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
     WHERE g.depth < 32
 )
 SELECT extract(epoch FROM least(
-    (SELECT min(CASE WHEN g.first_run_at > now() THEN g.first_run_at ELSE (
+    (SELECT min(CASE WHEN g.first_run_at > now()
+                          AND NOT EXISTS (SELECT FROM {schema}.pgqueue_queues WHERE paused)
+                     THEN g.first_run_at ELSE (
         SELECT min(f.run_at) FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
             SELECT run_at FROM {schema}.pgqueue_jobs
             WHERE status IN ('queued', 'retrying') AND priority = g.priority AND run_at > now()
                   {queue_match}
+                  AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
             ORDER BY run_at LIMIT 1
         ) f
     ) END) FROM groups g WHERE g.depth > 0),

@@ -37,11 +37,16 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
 #: (``queue_list``, ``queue_match``: an equality, which pgqueue_jobs_ready_queue_idx scans in
 #: order), and the rows read are those of any listed queue (``queue_filter``; for a single queue
 #: the custom plan folds its second condition into ``queue = 'name'``, an equality again).
+#: Paused queues cost no read (see claim_jobs): the walk leaves them out by a check on the
+#: listed name, made before its descent, and the row filter's last condition is a one-time
+#: filter, so a worker whose every queue is paused reads no row rather than skip them all.
 IN_QUEUES = {
     "queue_list": "unnest(%(queues)s::text[])",
-    "queue_match": "AND queue = l.queue",
+    "queue_match": "AND queue = l.queue"
+    " AND l.queue <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))",
     "queue_filter": "AND queue = ANY(%(queues)s::text[])"
-    " AND (cardinality(%(queues)s::text[]) > 1 OR queue = (%(queues)s::text[])[1])",
+    " AND (cardinality(%(queues)s::text[]) > 1 OR queue = (%(queues)s::text[])[1])"
+    " AND NOT (%(queues)s::text[] <@ ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))",
 }
 #: Statements written once in queries.sql and rendered twice: the variant's name → its base
 #: section and the fragments it fills in. In the base each fragment is empty unless BASE names it.
@@ -102,6 +107,9 @@ class Queries:
     requeue_job: bytes
     cancel_job: bytes
     status_counts: bytes
+    pause_queue: bytes
+    resume_queue: bytes
+    paused_queues: bytes
     claim_jobs: bytes
     claim_jobs_in_queues: bytes
     claim_jobs_by_priority: bytes

@@ -272,3 +272,34 @@ def test_the_page_rides_out_a_database_outage_without_reloading(
     expect(page.locator("#banner")).to_be_hidden()
     expect(page.locator("#feed")).to_contain_text("after_outage")
     assert page.evaluate("window.__marker") == 7
+
+
+def test_a_paused_queue_wears_a_badge_wherever_it_is_named(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)
+    conn.execute(
+        "INSERT INTO pgqueue_queues (name, paused) VALUES ('emails', true), ('nightly', true)"
+    )
+    _open(page, base_url)
+    legend = page.locator("#depth-legend")
+    expect(legend.locator(".qname", has_text="emails").locator(".pill.paused")).to_have_text(
+        "paused"
+    )
+    expect(legend.locator(".qname", has_text="reports").locator(".pill")).to_have_count(0)
+    # Paused with nothing waiting: no line on the chart, but still named, with its badge.
+    expect(legend.locator(".qname.idle")).to_have_text("nightly paused")
+    expect(page.locator("#running .pill.paused")).to_have_count(2)  # both run in 'emails'
+    expect(page.locator("#problems .pill.paused")).to_have_count(2)  # dead and retrying
+    expect(page.locator("#schedules tr", has_text="digest").locator(".pill.paused")).to_have_count(
+        1
+    )
+    expect(page.locator("#workers")).to_contain_text("emails (paused)")
+
+    # Resumed: the badges go at the next refresh, without a reload.
+    page.evaluate("window.__marker = 7")
+    conn.execute("UPDATE pgqueue_queues SET paused = false WHERE name = 'emails'")
+    expect(page.locator("#running .pill.paused")).to_have_count(0)
+    expect(legend.locator(".pill.paused")).to_have_count(1)
+    expect(page.locator("#workers")).not_to_contain_text("(paused)")
+    assert page.evaluate("window.__marker") == 7

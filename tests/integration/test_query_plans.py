@@ -17,7 +17,7 @@ import pytest
 
 from pgqueue.sql import queries
 from tests.helpers import register_worker
-from tests.plans import Conn, buffers, claim_selection, explain, nodes
+from tests.plans import Conn, buffers, claim_selection, explain, nodes, without_paused_lookups
 
 
 def live_worker(conn: Conn) -> uuid.UUID:
@@ -61,9 +61,9 @@ def test_claim_reaches_rows_by_primary_key_never_by_scanning_the_table(
         getattr(q, statement),
         {"worker_id": worker, "limit": 200, "token": uuid.uuid4(), "tasks": None},
     )
-    kinds = {n["Node Type"] for n in nodes(plan)}
+    kinds = {n["Node Type"] for n in without_paused_lookups(plan)}
     assert "Seq Scan" not in kinds and "Hash Join" not in kinds, kinds
-    scans = [n for n in nodes(plan) if n["Node Type"] == "Index Scan"]
+    scans = [n for n in without_paused_lookups(plan) if n["Node Type"] == "Index Scan"]
     # The worker's own row, read once per claim: its lease must be live.
     assert {n["Index Name"] for n in scans} == {
         "pgqueue_jobs_ready_idx", "pgqueue_jobs_pkey", "pgqueue_workers_pkey"
@@ -293,6 +293,56 @@ def test_next_ready_at_costs_a_few_descents_per_priority_at_any_depth(
     statement = q.next_ready_at if queues is None else q.next_ready_at_in_queues
     plan = explain(conn, statement, {"queues": queues})
     assert buffers(plan) < 150, buffers(plan)
-    for node in nodes(plan):
+    for node in without_paused_lookups(plan):
         assert node["Node Type"] != "Seq Scan" and node["Node Type"] != "Bitmap Heap Scan", node
         assert node["Actual Rows"] <= 10, node  # one row per priority, at most
+
+
+def pause(conn: Conn, queue: str) -> None:
+    conn.execute("INSERT INTO pgqueue_queues (name, paused) VALUES (%s, true)", (queue,))
+
+
+@pytest.mark.parametrize("queues", [None, ["a", "b"]])
+def test_a_paused_queue_is_skipped_by_one_lookup_per_claim_in_the_same_ordered_scan(
+    conn: Conn, queues: list[str] | None
+) -> None:
+    """Half the due jobs are in a paused queue: the claim still takes a full batch in one range
+    scan in claim order, reading the paused rows it meets (the batch's worth), and looks the
+    paused queues up once (without_paused_lookups checks it), not per row."""
+    shape_with_delayed_jobs(conn, due=30_000, delayed=0)
+    pause(conn, "a")
+    q = queries("public")
+    statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+    selection = claim_a_batch(conn, statement, queues)
+    (scan,) = [
+        n for n in without_paused_lookups(selection)
+        if n["Node Type"] in SCANS and n.get("Relation Name") == "pgqueue_jobs"
+    ]  # fmt: skip
+    assert scan["Node Type"] == "Index Scan" and scan["Index Name"] == "pgqueue_jobs_ready_idx"
+    assert scan["Actual Rows"] == BATCH and 0 < scan["Rows Removed by Filter"] <= 2 * BATCH, scan
+    assert buffers(selection) < 600
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["claim_jobs_in_queues", "claim_jobs_by_priority_in_queues", "next_ready_at_in_queues"],
+)
+def test_a_worker_whose_queues_are_all_paused_reads_none_of_their_jobs(
+    conn: Conn, statement: str
+) -> None:
+    """A worker serving only paused queues costs one lookup per claim, however deep their
+    backlog: the check on its queue list is a one-time filter, not a scan that skips every row."""
+    shape_with_delayed_jobs(conn, due=30_000, delayed=30_000)
+    pause(conn, "a")
+    pause(conn, "c")
+    params = {
+        "worker_id": live_worker(conn), "limit": BATCH, "token": uuid.uuid4(), "tasks": None,
+        "queues": ["a", "c"],
+    }  # fmt: skip
+    plan = explain(conn, getattr(queries("public"), statement), params, generic=False)
+    for node in without_paused_lookups(plan):
+        if node.get("Relation Name") == "pgqueue_jobs" and node.get("Index Name") != (
+            "pgqueue_jobs_pkey"
+        ):
+            assert node["Actual Rows"] == 0, node
+    assert buffers(plan) < 20, buffers(plan)

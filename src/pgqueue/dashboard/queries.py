@@ -33,6 +33,7 @@ class Reading:
     problem_counts: dict[str, int]
     feed: list[dict[str, Any]]
     schedules: list[dict[str, Any]]
+    paused: list[str]
     inserts_total: int | None
 
 
@@ -88,6 +89,7 @@ async def read(
              "last_run": r[5], "enabled": r[6], "paused": r[7]}
             for r in await _all(conn, q["schedules"])
         ]  # fmt: skip
+        paused = [str(r[0]) for r in await _all(conn, q["paused_queues"])]
         counter = await _all(conn, q["insert_counter"], {"schema": schema})
     return Reading(
         now=now,
@@ -102,6 +104,7 @@ async def read(
         problem_counts={"dead": int(dead), "retrying": int(retrying)},
         feed=feed,
         schedules=schedules,
+        paused=paused,
         inserts_total=int(counter[0][0]) if counter else None,
     )
 

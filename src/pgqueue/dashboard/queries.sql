@@ -159,6 +159,10 @@ FROM {schema}.pgqueue_schedules
 ORDER BY name
 LIMIT 500
 
+-- name: paused_queues
+-- Operators' pauses (`pgqueue queues pause`): a few rows, for the badges next to queue names.
+SELECT name FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
+
 -- name: insert_counter
 -- Cumulative inserts into the jobs table (statistics, no table scan), for the INSERT arrow's rate.
 SELECT n_tup_ins::bigint

@@ -144,7 +144,11 @@ class Refresher:
             },
             "throughput": {k: tput[k] for k in ("t", "succeeded", "failed", "settled_until")},
             "depth": depth,
-            "queues": [{"queue": q, **c} for q, c in sorted(r.depth.items())],
+            "queues": [
+                {"queue": q, **c, "paused": q in r.paused} for q, c in sorted(r.depth.items())
+            ],
+            # Paused queues, with or without jobs: a badge wherever the page names one.
+            "paused_queues": r.paused,
             "workers": r.workers,
             "workers_alive": alive,
             "running": r.running,

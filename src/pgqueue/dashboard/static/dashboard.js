@@ -4,7 +4,7 @@
   "use strict";
 
   const $ = (id) => document.getElementById(id);
-  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
+  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", legendKey: "", paused: new Set(), seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
 
   // --- formatting ------------------------------------------------------------------------
   function fmtSeconds(s) {
@@ -99,17 +99,36 @@
     }
   }
 
+  // A queue's name, with a "paused" badge while operators have paused it (pgqueue queues pause).
+  function queueName(name, cls) {
+    const node = el("span", cls, name);
+    if (state.paused.has(name)) {
+      const pill = el("span", "pill paused", "paused");
+      pill.title = "Paused: no worker claims its jobs until `pgqueue queues resume`; running jobs finish.";
+      node.append(" ", pill);
+    }
+    return node;
+  }
+  function queueCell(name) { const td = cell(""); td.append(queueName(name)); return td; }
+
   const QUEUE_COLOURS = ["--q1", "--q2", "--q3", "--q4", "--q5", "--q6"];
   function renderDepth(depth) {
     const names = Object.keys(depth.queues);
     $("depth-empty").hidden = names.length > 0;
     $("chart-depth").hidden = names.length === 0;
-    const legend = $("depth-legend");
     const key = names.join("\u0000");
     if (key !== state.depthKey) {
       state.depthKey = key;
-      legend.replaceChildren(...names.flatMap((n, i) => [el("span", "key q" + (i % 6)), el("span", "qname", n)]));
       if (state.charts.depth) { state.charts.depth.destroy(); state.charts.depth = null; }
+    }
+    // Paused queues with nothing waiting have no line, but are still named (without a colour key).
+    const idle = [...state.paused].filter((n) => !(n in depth.queues));
+    const legendKey = key + "\u0001" + [...state.paused].join("\u0000");
+    if (legendKey !== state.legendKey) {
+      state.legendKey = legendKey;
+      $("depth-legend").replaceChildren(
+        ...names.flatMap((n, i) => [el("span", "key q" + (i % 6)), queueName(n, "qname")]),
+        ...idle.map((n) => queueName(n, "qname idle")));
     }
     if (!window.uPlot || names.length === 0) return;
     const data = [depth.t, ...names.map((n) => depth.queues[n])];
@@ -146,7 +165,8 @@
       meter.append(fill);
       meter.title = w.leases + " of " + w.concurrency + " slots hold a lease";
       const leases = el("span", "leases", w.leases + " / " + w.concurrency + " leases");
-      const queues = w.queues && w.queues.length ? w.queues.join(", ") : "all queues";
+      const queues = w.queues && w.queues.length
+        ? w.queues.map((q) => (state.paused.has(q) ? q + " (paused)" : q)).join(", ") : "all queues";
       const meta = el("span", "meta", shortId(w.id) + " · " + queues + " · up " + fmtSeconds(w.uptime) +
         (w.stale_writes ? " · " + w.stale_writes + " stale writes refused" : ""));
       li.append(el("span", "beat"), who, hb, meter, leases, meta);
@@ -183,7 +203,7 @@
       const task = cell(r.task); task.append(el("span", "args mono", r.args));
       const running = cell("", "num running-for"); running.dataset.base = String(r.running_for);
       const lease = cell("", "num lease"); lease.dataset.base = String(r.lease_left);
-      tr.append(cell("#" + r.id, "num"), task, cell(r.queue), cell(shortId(r.worker), "mono"),
+      tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), cell(shortId(r.worker), "mono"),
         cell(r.attempt + " / " + r.max_attempts, "num"), running, lease);
       return tr;
     }));
@@ -223,7 +243,7 @@
       if (state.openErrors.has(r.id)) { details.open = true; pre.textContent = state.fullErrors.get(r.id) || ""; }
       const errorCell = cell(""); errorCell.append(details);
       const when = cell(r.status === "dead" ? fmtAgo(-r.when) : r.when > 0 ? "retry in " + fmtSeconds(r.when) : "retry due now", "num");
-      tr.append(cell("#" + r.id, "num"), task, cell(r.queue), attempts, errorCell, when);
+      tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), attempts, errorCell, when);
       return tr;
     }));
   }
@@ -235,7 +255,7 @@
       const tr = el("tr");
       const name = cell(s.name);
       if (s.paused || s.enabled === false) name.append(" ", el("span", "pill paused", s.paused ? "paused" : "disabled"));
-      tr.append(name, cell(s.cron, "mono"), cell(s.task), cell(s.queue), cell(fmtRelative(s.next_run), "num"), cell(fmtRelative(s.last_run), "num"));
+      tr.append(name, cell(s.cron, "mono"), cell(s.task), queueCell(s.queue), cell(fmtRelative(s.next_run), "num"), cell(fmtRelative(s.last_run), "num"));
       return tr;
     }));
   }
@@ -279,6 +299,7 @@
     state.snap = snap;
     state.receivedAt = performance.now();
     document.body.dataset.refresh = String(snap.refresh);
+    state.paused = new Set(snap.paused_queues || []);
     renderTiles(snap.tiles);
     renderThroughput(snap.throughput);
     renderDepth(snap.depth);

@@ -1,0 +1,94 @@
+"""``pgqueue queues``: list, pause and resume queues from the command line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+
+import pgqueue
+from pgqueue.cli import main
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.delenv("PGQUEUE_DSN", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    return CliRunner()
+
+
+def run(runner: CliRunner, *args: str) -> Result:
+    return runner.invoke(main, list(args), catch_exceptions=False)
+
+
+def test_pause_list_and_resume(runner: CliRunner, dsn: str, app: pgqueue.App) -> None:
+    assert run(runner, "queues", "list", "--dsn", dsn).output == (
+        "no queues: no jobs, and none paused\n"
+    )
+    app.enqueue("t", {}, queue="emails", allow_unknown=True)
+    app.enqueue("t", {}, queue="reports", allow_unknown=True)
+
+    paused = run(runner, "queues", "pause", "emails", "--dsn", dsn)
+    assert paused.exit_code == 0 and paused.output == "queue 'emails' paused\n"
+    again = run(runner, "queues", "pause", "emails", "--dsn", dsn)
+    assert again.exit_code == 0 and again.output == "queue 'emails' was already paused\n"
+    run(runner, "queues", "pause", "empty-yet", "--dsn", dsn)  # no job needed to pause
+    assert app.paused_queues() == ["emails", "empty-yet"]
+
+    listed = run(runner, "queues", "list", "--dsn", dsn)
+    assert listed.exit_code == 0
+    header, *rows = listed.output.splitlines()
+    assert header.split() == [
+        "queue", "queued", "running", "retrying", "succeeded", "dead", "cancelled", "state"
+    ]  # fmt: skip
+    by_queue = {row.split()[0]: row.split()[1:] for row in rows}
+    assert by_queue["emails"][:6] == ["1", "0", "0", "0", "0", "0"]
+    assert by_queue["emails"][6:8] == ["paused", "since"] and by_queue["emails"][-1] == "UTC"
+    assert by_queue["empty-yet"][:8] == ["0", "0", "0", "0", "0", "0", "paused", "since"]
+    assert by_queue["reports"] == ["1", "0", "0", "0", "0", "0"]
+
+    resumed = run(runner, "queues", "resume", "emails", "--dsn", dsn)
+    assert resumed.exit_code == 0 and resumed.output == "queue 'emails' resumed\n"
+    not_paused = run(runner, "queues", "resume", "emails", "--dsn", dsn)
+    assert not_paused.exit_code == 0 and not_paused.output == "queue 'emails' was not paused\n"
+    assert app.paused_queues() == ["empty-yet"]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("a,b", "error: queue name 'a,b' must not contain a comma"),
+        ("", "error: queue name must not be empty"),
+        ("x" * 129, "error: queue name is 129 characters; the limit is 128"),
+    ],
+)
+@pytest.mark.parametrize("command", ["pause", "resume"])
+def test_a_name_no_queue_could_have_is_one_error_line(
+    runner: CliRunner, dsn: str, conn: Conn, command: str, name: str, message: str
+) -> None:
+    result = runner.invoke(main, ["queues", command, name, "--dsn", dsn])
+    assert result.exit_code == 1
+    assert result.stderr == message + "\n" and result.stdout == ""
+    assert conn.execute("SELECT count(*) FROM pgqueue_queues").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("args", [["list"], ["pause", "q"], ["resume", "q"]])
+def test_unreachable_database_is_one_line_and_exit_code_2(
+    runner: CliRunner, args: list[str]
+) -> None:
+    result = runner.invoke(main, ["queues", *args, "--dsn", UNREACHABLE])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: cannot connect to PostgreSQL at 127.0.0.1:1/x")
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["list"], ["pause", "q"]])
+def test_missing_tables_say_to_migrate(runner: CliRunner, empty_dsn: str, args: list[str]) -> None:
+    result = runner.invoke(main, ["queues", *args, "--dsn", empty_dsn])
+    assert result.exit_code == 1
+    assert result.stderr == "error: pgqueue's tables are missing: run `pgqueue migrate` first\n"
