@@ -219,7 +219,7 @@ def test_next_ready_at_is_the_earliest_future_run_at_among_waiting_jobs(
     def same_as_min(rows: list[Row], queues: list[str] | None) -> None:
         fill(conn, rows)
         statement = q.next_ready_at if queues is None else q.next_ready_at_in_queues
-        params = {"queues": queues}
+        params = {"queues": queues, "lookback": 0}
         with conn.transaction(force_rollback=True):  # one transaction: one now() for both
             (expected,) = conn.execute(NEXT_READY_REFERENCE, params).fetchone() or (None,)
             (found,) = conn.execute(statement, params).fetchone() or (None,)
@@ -240,12 +240,34 @@ def test_next_ready_at_counts_the_first_future_job_behind_due_ones(conn: Conn) -
         " ('a', 't', 1, now() + interval '1 hour', 'retrying'),"
         " ('b', 't', 1, now() + interval '30 seconds', 'queued')"
     )
-    (all_queues,) = conn.execute(q.next_ready_at).fetchone() or (None,)
+    (all_queues,) = conn.execute(q.next_ready_at, {"lookback": 0}).fetchone() or (None,)
     assert 25 < all_queues <= 30
-    (in_a,) = conn.execute(q.next_ready_at_in_queues, {"queues": ["a"]}).fetchone() or (None,)
+    (in_a,) = conn.execute(
+        q.next_ready_at_in_queues, {"queues": ["a"], "lookback": 0}
+    ).fetchone() or (None,)
     assert 85 < in_a <= 90
-    (in_c,) = conn.execute(q.next_ready_at_in_queues, {"queues": ["c"]}).fetchone() or (None,)
+    (in_c,) = conn.execute(
+        q.next_ready_at_in_queues, {"queues": ["c"], "lookback": 0}
+    ).fetchone() or (None,)
     assert in_c is None
+
+
+def test_next_ready_at_counts_a_job_that_fell_due_since_the_last_claim(conn: Conn) -> None:
+    """A job not yet due for the worker's claim and due by the time it asks next_ready_at must
+    not be read past as "due, so not ahead": the worker would sleep until its poll with work
+    waiting. With the time since that claim as the lookback it is "due now" (0 or less); with
+    none, only jobs still ahead count."""
+    q = queries("public")
+    conn.execute("INSERT INTO pgqueue_jobs (queue, task, run_at) VALUES ('a', 't', now())")
+    (lost,) = conn.execute(q.next_ready_at, {"lookback": 0}).fetchone() or (None,)
+    assert lost is None  # what the worker saw before: nothing to wait for
+    cases: list[tuple[bytes, dict[str, Any]]] = [
+        (q.next_ready_at, {"lookback": 5}),
+        (q.next_ready_at_in_queues, {"lookback": 5, "queues": ["a"]}),
+    ]
+    for statement, params in cases:
+        (found,) = conn.execute(statement, params).fetchone() or (None,)
+        assert found is not None and found <= 0
 
 
 #: Polling once a minute: what happens within seconds was not the poll.

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 import pgqueue
-from tests.helpers import db_clock, running_worker, wait_until_async
+from tests.helpers import db_clock, listening, notifications, running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 #: Polling once a minute: anything that runs within seconds was woken, not polled.
@@ -97,9 +97,7 @@ async def test_resume_wakes_an_idle_worker_at_once(
     await app.pause_queue_async("q")
     async with running_worker(app, queues=queues, **NO_POLL) as worker:
         await wait_until_async(lambda: worker.notifier.announced, timeout=10)
-        app.enqueue("work", {"n": 1}, queue="q")  # its NOTIFY wakes the worker: it claims nothing
-        claims = worker.fetcher.claims
-        await wait_until_async(lambda: worker.fetcher.claims > claims, timeout=10)
+        app.enqueue("work", {"n": 1}, queue="q")  # no NOTIFY: its queue is paused
         await wait_until_async(lambda: worker.notifier.announced, timeout=10)
         assert ran == []
         resumed = time.monotonic()
@@ -172,3 +170,17 @@ def test_pausing_and_resuming_say_whether_anything_changed(app: pgqueue.App) -> 
     assert app.resume_queue("a")
     assert not app.resume_queue("a") and not app.resume_queue("never-paused")
     assert app.paused_queues() == ["b"]
+
+
+def test_jobs_enqueued_into_a_paused_queue_wake_no_waiting_worker(
+    app: pgqueue.App, dsn: str
+) -> None:
+    """A woken worker would claim nothing and only read past the paused backlog; resume wakes
+    the queue instead."""
+    app.pause_queue("held")
+    with listening(dsn, waiting=True) as listener:
+        app.enqueue("work", {"n": 1}, queue="held", allow_unknown=True)
+        app.enqueue_many([("work", {"n": n}) for n in range(3)], allow_unknown=True)  # 'default'
+        assert [payload for _, payload in notifications(listener, expected=1)] == ["default"]
+        app.resume_queue("held")
+        assert [payload for _, payload in notifications(listener, expected=1)] == ["held"]

@@ -291,7 +291,7 @@ def test_next_ready_at_costs_a_few_descents_per_priority_at_any_depth(
     shape_with_delayed_jobs(conn, due=30_000, delayed=300_000)
     q = queries("public")
     statement = q.next_ready_at if queues is None else q.next_ready_at_in_queues
-    plan = explain(conn, statement, {"queues": queues})
+    plan = explain(conn, statement, {"queues": queues, "lookback": 0.05})
     assert buffers(plan) < 150, buffers(plan)
     for node in without_paused_lookups(plan):
         assert node["Node Type"] != "Seq Scan" and node["Node Type"] != "Bitmap Heap Scan", node
@@ -337,7 +337,7 @@ def test_a_worker_whose_queues_are_all_paused_reads_none_of_their_jobs(
     pause(conn, "c")
     params = {
         "worker_id": live_worker(conn), "limit": BATCH, "token": uuid.uuid4(), "tasks": None,
-        "queues": ["a", "c"],
+        "queues": ["a", "c"], "lookback": 0.05,
     }  # fmt: skip
     plan = explain(conn, getattr(queries("public"), statement), params, generic=False)
     for node in without_paused_lookups(plan):

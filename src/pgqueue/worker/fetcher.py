@@ -46,6 +46,9 @@ log = logging.getLogger("pgqueue.worker.fetcher")
 PREFETCH_WINDOW = 0.05
 #: Seconds between looks at whether jobs not due yet exist, while the worker is busy.
 DELAYED_CHECK = 1.0
+#: Added to the time since the last claim when asking next_ready_at for jobs that fell due
+#: after it: the two statements' own delays on the way to the server.
+LOOKBACK_MARGIN = 0.05
 
 #: The claim's arguments arrive as jsonb's text output: one JSON document, nothing around it, so
 #: ``raw_decode`` needs none of ``json.loads``'s checks for whitespace and trailing data (1.6 us
@@ -92,6 +95,8 @@ class Fetcher:
         #: Some job was not due yet at the last look (``_checked``, loop time): claim by priority.
         self.delayed = False
         self._checked = -DELAYED_CHECK
+        #: When the last claim was sent (the event loop's clock): see next_due_in.
+        self._claim_sent = 0.0
         #: Set once a claimed job's task was unknown: claims are then limited to these tasks.
         self.only_tasks: list[str] | None = None
         self._unknown_warned: set[str] = set()
@@ -139,6 +144,7 @@ class Fetcher:
         if self.queues is not None:
             params["queues"] = self.queues
         async with self.pool.connection() as conn:
+            self._claim_sent = asyncio.get_running_loop().time()
             cur = await conn.execute(self.by_priority if self.delayed else self.plain, params)
             rows = await cur.fetchall()
             jobs = [
@@ -179,8 +185,13 @@ class Fetcher:
 
     async def next_due_in(self) -> float | None:
         """Seconds until the earliest job this worker could claim becomes due, by the database
-        clock (None: nothing is waiting to become due)."""
-        params: dict[str, Any] = {} if self.queues is None else {"queues": self.queues}
+        clock (None: nothing is waiting to become due; 0: one fell due since the last claim)."""
+        # Since the last claim was sent, plus a margin for the two statements' own delays: only
+        # an interval of the worker's clock, the times compared are the database's.
+        lookback = asyncio.get_running_loop().time() - self._claim_sent + LOOKBACK_MARGIN
+        params: dict[str, Any] = {"lookback": lookback}
+        if self.queues is not None:
+            params["queues"] = self.queues
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.next_ready, params)
             row = await cur.fetchone()
