@@ -95,6 +95,24 @@ CREATE OR REPLACE VIEW history_reaps AS
     SELECT * FROM history_transitions
     WHERE old_status = 'running' AND new_status IN ('retrying', 'dead') AND new_token IS NULL
       AND new_attempts = old_attempts AND new_error LIKE 'LeaseExpired:%';
+-- A worker lease that ran out and was renewed later (a stalled worker's first heartbeat after
+-- the stall): a reaper that read the lapsed lease may reap after the renewal, when the jobs'
+-- transition logs the renewed expiry as old_expires. The lapse is what explains that reap.
+CREATE TABLE IF NOT EXISTS history_lapses (
+    worker_id  uuid NOT NULL,
+    expired_at timestamptz NOT NULL,
+    renewed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE OR REPLACE FUNCTION history_log_lapse() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO history_lapses (worker_id, expired_at) VALUES (OLD.id, OLD.lease_expires_at);
+    RETURN NULL;
+END;
+$$;
+DROP TRIGGER IF EXISTS history_lapses ON pgqueue_workers;
+CREATE TRIGGER history_lapses AFTER UPDATE ON pgqueue_workers
+    FOR EACH ROW WHEN (OLD.lease_expires_at < now() AND NEW.lease_expires_at >= now())
+    EXECUTE FUNCTION history_log_lapse();
 -- Every unique job as inserted, with its key (a later enqueue may clear the key on the row)
 -- and the clock as the insert ran: after the check that let it in.
 CREATE TABLE IF NOT EXISTS history_unique (
@@ -169,14 +187,19 @@ def starts(conn: Conn) -> dict[int, list[Run]]:
 
 def ended_by(conn: Conn, job_id: int, token: UUID) -> str | None:
     """How the attempt holding lease ``token`` ended: ``reaped`` (its lease had expired and a
-    reaper took the job back), ``released`` (handed back at shutdown, the attempt not
-    counted), ``failed`` (its own failure ack), or None if none of these."""
+    reaper took the job back: at the reap the lease had run out, or it had lapsed since the
+    claim and been renewed too late, see history_lapses), ``released`` (handed back at
+    shutdown, the attempt not counted), ``failed`` (its own failure ack), or None if none of
+    these."""
     row = conn.execute(
-        "SELECT seq IN (SELECT seq FROM history_reaps) AND at >= old_expires,"
-        " new_token IS NULL AND new_attempts = old_attempts - 1,"
-        " new_token IS NOT NULL"
-        " FROM history_transitions WHERE job_id = %s AND old_token = %s"
-        " AND old_status = 'running' AND new_status IN ('queued', 'retrying', 'dead')",
+        "SELECT t.seq IN (SELECT seq FROM history_reaps) AND (t.at >= t.old_expires OR EXISTS ("
+        "   SELECT FROM history_transitions c JOIN history_lapses l ON l.worker_id = c.new_worker"
+        "   WHERE c.job_id = t.job_id AND c.new_token = t.old_token AND c.new_status = 'running'"
+        "     AND l.expired_at > c.at AND l.expired_at <= t.at)),"
+        " t.new_token IS NULL AND t.new_attempts = t.old_attempts - 1,"
+        " t.new_token IS NOT NULL"
+        " FROM history_transitions t WHERE t.job_id = %s AND t.old_token = %s"
+        " AND t.old_status = 'running' AND t.new_status IN ('queued', 'retrying', 'dead')",
         (job_id, token),
     ).fetchone()
     if row is None:
