@@ -404,16 +404,13 @@ def _has_unique(rows: Sequence[JobRow]) -> bool:
     return any(row.unique_key is not None for row in rows)
 
 
-def unique_groups(
-    rows: Sequence[JobRow], db_now: datetime
-) -> tuple[list[tuple[str, list[list[Any]]]], int]:
-    """A chunk as insert_unique_jobs rows, one group per on_conflict, and how many repeats of a
-    key were merged into an earlier row (a statement cannot update one row twice). A repeat
-    counts as a duplicate of the first; with replace or debounce the first takes its arguments
+def unique_groups(rows: Sequence[JobRow], db_now: datetime) -> list[tuple[str, list[list[Any]]]]:
+    """A chunk as insert_unique_jobs rows, one group per on_conflict, repeats of a key merged
+    into its first row (a statement cannot update one row twice). A repeat counts as a
+    duplicate of the first; with replace or debounce the first takes its arguments
     and priority, and with debounce the later of the two run_at values, as if enqueued in turn."""
     groups: dict[str, list[list[Any]]] = {}
     seen: dict[tuple[str, str], list[Any]] = {}
-    merged = 0
     for row in rows:
         entry = [row.queue, row.task, row.args_json, row.priority, row.db_run_at(db_now),
                  row.max_attempts, row.unique_key, row.unique_while, row.unique_for]  # fmt: skip
@@ -421,7 +418,6 @@ def unique_groups(
         if key is not None:
             first = seen.get((row.on_conflict, key))
             if first is not None:
-                merged += 1
                 if row.on_conflict != "keep":
                     first[2], first[3] = entry[2], entry[3]
                     if row.on_conflict == "debounce":
@@ -429,7 +425,7 @@ def unique_groups(
                 continue
             seen[(row.on_conflict, key)] = entry
         groups.setdefault(row.on_conflict, []).append(entry)
-    return list(groups.items()), merged
+    return list(groups.items())
 
 
 def _group_params(mode: str, entries: list[list[Any]]) -> dict[str, Any]:
@@ -495,7 +491,7 @@ def insert_unique_chunks(
         sent: list[tuple[psycopg.Cursor[Any], str, list[list[Any]]]] = []
         with conn.pipeline():
             for _ in range(PIPELINE_CHUNKS):
-                groups, _ = unique_groups(next_rows, db_now)
+                groups = unique_groups(next_rows, db_now)
                 for mode, entries in groups:
                     cur = conn.cursor()
                     cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
@@ -527,7 +523,7 @@ async def insert_unique_chunks_async(
         sent: list[tuple[psycopg.AsyncCursor[Any], str, list[list[Any]]]] = []
         async with conn.pipeline():
             for _ in range(PIPELINE_CHUNKS):
-                groups, _ = unique_groups(next_rows, db_now)
+                groups = unique_groups(next_rows, db_now)
                 for mode, entries in groups:
                     cur = conn.cursor()
                     await cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
