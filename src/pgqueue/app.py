@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from . import db, pools, producer, queues, schedules
+from . import db, limits, pools, producer, queues, schedules
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
 from .jobs import Enqueued, Job
+from .limits import LimitKey, RateSpec, TaskLimits
 from .migrate import migrate as apply_migrations
 from .schedules import DEFAULT_MAX_CATCHUP, Schedule, declare
 from .sql import Queries, queries
@@ -107,6 +108,9 @@ class App:
         unique_while: UniqueWhile | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
+        limit: int | None = None,
+        limit_key: LimitKey | None = None,
+        rate: RateSpec | None = None,
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     def task(  # type: ignore[misc]
@@ -124,11 +128,17 @@ class App:
         unique_while: UniqueWhile | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
+        limit: int | None = None,
+        limit_key: LimitKey | None = None,
+        rate: RateSpec | None = None,
     ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
         """Register a handler. Async functions run on the worker's event loop, plain ones in
         its thread pool. The task name defaults to the function's name. ``unique`` makes its
         jobs unique (concepts/uniqueness.md): True keys on every argument, a list of names on
-        those arguments, a function of the arguments on the string it returns."""
+        those arguments, a function of the arguments on the string it returns. ``limit`` caps
+        how many of its jobs run at once across every worker, ``rate`` how many start per period
+        (``"100/m"``); with ``limit_key`` (a function of the arguments) both apply per key
+        (concepts/limits.md)."""
 
         def register(fn: Callable[P, R]) -> Task[P, R]:
             task_name = _declared(
@@ -161,7 +171,8 @@ class App:
                     )[0]
                 ),
             )
-            task = Task(self, fn, name=task_name, options=options, timeout=timeout, backoff=backoff)
+            task = Task(self, fn, name=task_name, options=options, timeout=timeout, backoff=backoff,
+                        limits=_declared(TaskLimits.declared, limit, rate, limit_key))  # fmt: skip
             self.tasks[task_name] = task
             return task
 
@@ -299,7 +310,10 @@ class App:
         unique_while: str | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: str | None = None,
+        grouped: bool = True,
     ) -> producer.JobRow:
+        """``grouped``: compute the job's limit group (False for a bulk template, whose jobs
+        each compute their own)."""
         registered = self.tasks.get(task) if isinstance(task, str) else None
         if registered is None and not allow_unknown:
             known = ", ".join(sorted(self.tasks)) or "none"
@@ -313,7 +327,9 @@ class App:
             unique_for=unique_for,
             on_conflict=on_conflict,
         )
+        limits = registered.limits if registered and grouped else None
         return producer.build_row(
+            limit_key=None if limits is None else limits.group(task, args),
             task=task,
             args=args,
             queue=queue if queue is not None else defaults.queue,
@@ -425,7 +441,7 @@ class App:
                     if template is None:
                         template = templates[spec[0]] = self._row(
                             spec[0], None, queue=None, priority=None, max_attempts=None,
-                            delay=None, run_at=None, allow_unknown=allow_unknown,
+                            delay=None, run_at=None, allow_unknown=allow_unknown, grouped=False,
                         )  # fmt: skip
                     args = producer.serialize_args(spec[1], self.max_payload_bytes)
                     key = None
@@ -433,9 +449,12 @@ class App:
                         rule = self.tasks[spec[0]].options.unique
                         assert rule is not None
                         key = uniqueness.key_for(spec[0], rule, spec[1] or {}, None, args)
+                    registered = self.tasks.get(spec[0])
+                    limits = registered.limits if registered is not None else None
+                    group = None if limits is None else limits.group(spec[0], spec[1])
                 except (InvalidJobError, UnknownTaskError) as exc:
                     raise type(exc)(f"job #{index}: {exc}") from None
-                rows.append(template.with_args(args, key))
+                rows.append(template.with_args(args, key, group))
                 if len(rows) == producer.COPY_CHUNK:
                     yield rows
                     rows = []
@@ -589,6 +608,50 @@ class App:
         """The names of the paused queues, sorted."""
         rows = self._sync_pool().run(lambda conn: queues.paused(conn, self.q), read_only=True)
         return [name for name, _ in rows]
+
+    def limit_queue(
+        self,
+        name: str,
+        *,
+        limit: int | limits.Unset | None = limits.UNSET,
+        rate: RateSpec | limits.Rate | limits.Unset | None = limits.UNSET,
+    ) -> None:
+        """Cap queue ``name`` across every worker: at most ``limit`` of its jobs running at once
+        and/or ``rate`` started per period (``"100/m"``); None removes one, an omitted one stays.
+        Workers obey from their next claim; nothing restarts (concepts/limits.md)."""
+        queue = queues.check_queue(name)
+        settings = limits.check_settings(limit, rate)
+        self._sync_pool().run(lambda conn: limits.set_queue(conn, self.q, queue, settings))
+
+    def limit_task(
+        self,
+        name: str,
+        *,
+        limit: int | limits.Unset | None = limits.UNSET,
+        rate: RateSpec | limits.Rate | limits.Unset | None = limits.UNSET,
+    ) -> None:
+        """An operator's limit and/or rate for task ``name`` (per key if the task declares
+        ``limit_key``), kept over what the code declares until ``reset_task_limits``."""
+        task = _declared(producer.check_name, "task", name, producer.MAX_TASK_LENGTH)
+        settings = limits.check_settings(limit, rate)
+        self._sync_pool().run(lambda conn: limits.set_task(conn, self.q, task, settings))
+
+    def reset_task_limits(self, name: str) -> bool:
+        """Drop an operator's values for task ``name``: the code's apply again from the next
+        worker start. False if none were set."""
+        return self._sync_pool().run(lambda conn: limits.reset_task(conn, self.q, name))
+
+    def queue_limits(self) -> list[limits.QueueSettings]:
+        """Every queue with operator state (paused, limit, rate), by name."""
+        return self._sync_pool().run(
+            lambda conn: limits.queue_settings(conn, self.q), read_only=True
+        )
+
+    def task_limits(self) -> list[limits.TaskSettings]:
+        """Every task with a limit or a rate in the database, by name."""
+        return self._sync_pool().run(
+            lambda conn: limits.task_settings(conn, self.q), read_only=True
+        )
 
     def migrate(
         self, *, lock_timeout: float | None = None, timeout: float | None = None

@@ -10,13 +10,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any, TypeVar
 
 import click
 import psycopg
 
-from . import __version__, queues
+from . import __version__, limits, queues
 from .app import App
 from .bench.cli import bench_command
 from .db import validate_schema
@@ -44,8 +44,12 @@ def friendly_errors(func: F) -> F:
         except PgQueueError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(1)
-        except psycopg.errors.UndefinedTable:
-            click.echo("error: pgqueue's tables are missing: run `pgqueue migrate` first", err=True)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn):
+            click.echo(
+                "error: pgqueue's tables are missing or older than this pgqueue: run "
+                "`pgqueue migrate` first",
+                err=True,
+            )
             sys.exit(1)
         except psycopg.OperationalError as exc:
             click.echo(f"error: database error: {str(exc).strip().splitlines()[-1]}", err=True)
@@ -251,25 +255,42 @@ def job(job_id: int, as_json: bool, dsn: str | None, schema: str) -> None:
 STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled")
 
 
-def echo_counts(
-    counts: list[tuple[str, str, int]], paused: dict[str, datetime] | None = None
-) -> None:
-    """Jobs per queue and status, one line per queue; with ``paused``, queues without jobs too,
-    and a last column that says which are paused and since when (UTC)."""
+def echo_counts(counts: list[tuple[str, str, int]], states: dict[str, str] | None = None) -> None:
+    """Jobs per queue and status, one line per queue; with ``states``, queues without jobs too,
+    and a last column with each queue's operator state (paused since when, limit, rate)."""
     table: dict[str, dict[str, int]] = {}
     for queue, state, count in counts:
         table.setdefault(queue, {})[state] = count
-    for queue in paused or {}:
+    for queue in states or {}:
         table.setdefault(queue, {})
     width = max(5, *(len(q) for q in table))
     header = "queue".ljust(width) + "".join(s.rjust(11) for s in STATUSES)
-    click.echo(header if paused is None else header + "  state")
+    click.echo(header if states is None else header + "  state")
     for queue, row in sorted(table.items()):
         line = queue.ljust(width) + "".join(str(row.get(s, 0)).rjust(11) for s in STATUSES)
-        if paused is not None:
-            since = paused.get(queue)
-            line += f"  paused since {since.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC" if since else ""
+        if states is not None and states.get(queue):
+            line += "  " + states[queue]
         click.echo(line)
+
+
+def queue_states(app: App) -> dict[str, str]:
+    """Each queue with operator state, as the last column of `queues list`."""
+    with app.connection() as conn:
+        since = dict(queues.paused(conn, app.q))
+    states: dict[str, str] = {}
+    for setting in app.queue_limits():
+        parts = []
+        if setting.name in since:
+            parts.append(
+                f"paused since {since[setting.name].astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+            )
+        if setting.limit is not None:
+            parts.append(f"limit {setting.limit}")
+        if setting.rate is not None:
+            parts.append(f"rate {setting.rate}")
+        if parts:
+            states[setting.name] = "; ".join(parts)
+    return states
 
 
 @main.command()
@@ -293,15 +314,15 @@ def queues_command() -> None:
 @db_options
 @friendly_errors
 def queues_list(dsn: str | None, schema: str) -> None:
-    """Every queue that has jobs or is paused: its jobs by status, and whether it is paused."""
+    """Every queue that has jobs or operator state: its jobs by status, and whether it is
+    paused, limited or rate-limited."""
     app = make_app(dsn, schema)
     counts = app.status_counts()
-    with app.connection() as conn:
-        paused = dict(queues.paused(conn, app.q))
-    if not counts and not paused:
-        click.echo("no queues: no jobs, and none paused")
+    states = queue_states(app)
+    if not counts and not states:
+        click.echo("no queues: no jobs, and none paused or limited")
         return
-    echo_counts(counts, paused)
+    echo_counts(counts, states)
 
 
 @queues_command.command("pause")
@@ -327,6 +348,117 @@ def queues_resume(name: str, dsn: str | None, schema: str) -> None:
         click.echo(f"queue {name!r} resumed")
     else:
         click.echo(f"queue {name!r} was not paused")
+
+
+def _limit_value(value: str) -> int | None:
+    if value.lower() == "none":
+        return None
+    try:
+        return limits.check_limit(int(value))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give a whole number of jobs, or 'none'") from None
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _rate_value(value: str) -> limits.Rate | None:
+    if value.lower() == "none":
+        return None
+    try:
+        return limits.parse_rate(value)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@queues_command.command("limit")
+@click.argument("name")
+@click.argument("limit", metavar="N|none")
+@db_options
+@friendly_errors
+def queues_limit(name: str, limit: str, dsn: str | None, schema: str) -> None:
+    """At most N of NAME's jobs running at once across every worker ('none' removes the
+    limit). Workers obey from their next claim, without a restart."""
+    value = _limit_value(limit)
+    make_app(dsn, schema).limit_queue(name, limit=value)
+    click.echo(f"queue {name!r}: " + ("no limit" if value is None else f"limit {value}"))
+
+
+@queues_command.command("rate")
+@click.argument("name")
+@click.argument("rate", metavar="RATE|none")
+@db_options
+@friendly_errors
+def queues_rate(name: str, rate: str, dsn: str | None, schema: str) -> None:
+    """At most RATE of NAME's jobs started per period across every worker, e.g. 100/m, 5/s,
+    10/5m ('none' removes it). Jobs over the rate wait; none fails."""
+    value = _rate_value(rate)
+    make_app(dsn, schema).limit_queue(name, rate=value)
+    click.echo(f"queue {name!r}: " + ("no rate" if value is None else f"rate {value}"))
+
+
+@main.group("tasks")
+def tasks_command() -> None:
+    """List task limits and rates, and change them at run time (kept over the code's values
+    until reset)."""
+
+
+@tasks_command.command("list")
+@db_options
+@friendly_errors
+def tasks_list(dsn: str | None, schema: str) -> None:
+    """Every task with a limit or a rate in the database."""
+    settings = make_app(dsn, schema).task_limits()
+    if not settings:
+        click.echo("no task has a limit or a rate")
+        return
+    width = max(4, *(len(t.name) for t in settings))
+    click.echo("task".ljust(width) + "  limit".rjust(8) + "  rate".rjust(12) + "  per key  set by")
+    for t in settings:
+        click.echo(
+            t.name.ljust(width)
+            + ("-" if t.limit is None else str(t.limit)).rjust(8)
+            + ("-" if t.rate is None else str(t.rate)).rjust(12)
+            + ("  yes    " if t.per_key else "  no     ")
+            + ("  operator" if t.overridden else "  code")
+        )
+
+
+@tasks_command.command("limit")
+@click.argument("name")
+@click.argument("limit", metavar="N|none")
+@db_options
+@friendly_errors
+def tasks_limit(name: str, limit: str, dsn: str | None, schema: str) -> None:
+    """At most N of task NAME's jobs running at once (per key, if the task declares limit_key);
+    'none' removes it. Kept over the code's value until `pgqueue tasks reset NAME`."""
+    value = _limit_value(limit)
+    make_app(dsn, schema).limit_task(name, limit=value)
+    click.echo(f"task {name!r}: " + ("no limit" if value is None else f"limit {value}"))
+
+
+@tasks_command.command("rate")
+@click.argument("name")
+@click.argument("rate", metavar="RATE|none")
+@db_options
+@friendly_errors
+def tasks_rate(name: str, rate: str, dsn: str | None, schema: str) -> None:
+    """At most RATE of task NAME's jobs started per period (per key, if the task declares
+    limit_key), e.g. 100/m; 'none' removes it. Kept over the code's value until reset."""
+    value = _rate_value(rate)
+    make_app(dsn, schema).limit_task(name, rate=value)
+    click.echo(f"task {name!r}: " + ("no rate" if value is None else f"rate {value}"))
+
+
+@tasks_command.command("reset")
+@click.argument("name")
+@db_options
+@friendly_errors
+def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
+    """Drop the operator's values for task NAME: the code's apply from the next worker start."""
+    if make_app(dsn, schema).reset_task_limits(name):
+        click.echo(f"task {name!r}: the code's limit and rate apply from the next worker start")
+    else:
+        click.echo(f"task {name!r} had no operator's limit or rate")
 
 
 @main.command()

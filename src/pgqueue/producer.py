@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from json.encoder import _make_iterencode  # type: ignore[attr-defined]
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -46,6 +46,10 @@ class JobRow:
     unique_while: str | None = None
     unique_for: float | None = None
     on_conflict: str = "keep"
+    #: The job's limit group within its task ('' for a limit over the whole task), set when
+    #: the task is declared with a limit or a rate (concepts/limits.md). None: the database
+    #: decides (a task limited there gets '').
+    limit_key: str | None = None
 
     def params(self) -> dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class JobRow:
             "run_at": self.run_at,
             "delay": self.delay,
             "max_attempts": self.max_attempts,
+            "limit_key": self.limit_key,
         }
 
     def unique_params(self) -> dict[str, Any]:
@@ -67,10 +72,19 @@ class JobRow:
             "on_conflict": self.on_conflict,
         }
 
-    def with_args(self, args_json: str, unique_key: str | None = None) -> JobRow:
+    def with_args(
+        self, args_json: str, unique_key: str | None = None, limit_key: str | None = None
+    ) -> JobRow:
         return JobRow(self.queue, self.task, args_json, self.priority, self.run_at, self.delay,
                       self.max_attempts, unique_key, self.unique_while, self.unique_for,
-                      self.on_conflict)  # fmt: skip
+                      self.on_conflict, limit_key)  # fmt: skip
+
+    def group_key(self, limited: frozenset[str]) -> str | None:
+        """The limit group written by a bulk enqueue, which cannot ask the database per row:
+        ``limited`` names the tasks with limits there (read with the batch's clock)."""
+        if self.limit_key is None and self.task in limited:
+            return ""
+        return self.limit_key
 
     def db_run_at(self, db_now: datetime) -> datetime:
         """run_at on the database clock, for rows written without ``now()`` in SQL."""
@@ -78,7 +92,7 @@ class JobRow:
             return self.run_at
         return db_now + timedelta(seconds=self.delay) if self.delay else db_now
 
-    def copy_line(self, now_text: str, db_now: datetime) -> str:
+    def copy_line(self, now_text: str, db_now: datetime, limited: frozenset[str]) -> str:
         """This row in COPY's text format (tab-separated, backslash-escaped, one line)."""
         if self.run_at is not None:
             run_at = self.run_at.isoformat()
@@ -89,17 +103,28 @@ class JobRow:
         # The JSON encoder escapes every control character, so the only character COPY would
         # read specially in the arguments is the backslash.
         args = self.args_json.replace("\\", "\\\\") if "\\" in self.args_json else self.args_json
+        group = self.group_key(limited)
+        limit_key = "\\N" if group is None else _key_escape(group)
         if self.unique_key is None:
             return (
                 f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
-                f"{self.priority}\t{run_at}\t{self.max_attempts}\t\\N\t\\N\t\\N\n"
+                f"{self.priority}\t{run_at}\t{self.max_attempts}\t\\N\t\\N\t\\N\t"
+                f"{limit_key}\n"
             )
         unique_for = "\\N" if self.unique_for is None else repr(self.unique_for)
         return (
             f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
             f"{self.priority}\t{run_at}\t{self.max_attempts}\t{_key_escape(self.unique_key)}\t"
-            f"{self.unique_while}\t{unique_for}\n"
+            f"{self.unique_while}\t{unique_for}\t{limit_key}\n"
         )
+
+
+class BatchClock(NamedTuple):
+    """What a bulk enqueue reads from the database before it writes: the time its rows' run_at
+    counts from, and the tasks limited there (their jobs need a limit group; see JobRow)."""
+
+    now: datetime
+    limited: frozenset[str]
 
 
 def _key_escape(key: str) -> str:
@@ -306,8 +331,10 @@ def build_row(
     run_at: datetime | None,
     max_payload: int,
     unique: tuple[UniqueRule, str | None] | None = None,
+    limit_key: str | None = None,
 ) -> JobRow:
-    """``unique``: the job's rule and the caller's explicit key, if it is a unique job."""
+    """``unique``: the job's rule and the caller's explicit key, if it is a unique job.
+    ``limit_key``: its limit group, if its task declares a limit (see JobRow)."""
     seconds, when = check_delay(delay, run_at)
     task = check_name("task", task, MAX_TASK_LENGTH)
     args_json = serialize_args(args, max_payload)
@@ -319,6 +346,7 @@ def build_row(
         run_at=when,
         delay=seconds,
         max_attempts=check_int("max_attempts", max_attempts, 1),
+        limit_key=limit_key,
     )
     if unique is None:
         return row
@@ -328,7 +356,8 @@ def build_row(
 
 def with_unique(row: JobRow, rule: UniqueRule, key: str) -> JobRow:
     return JobRow(row.queue, row.task, row.args_json, row.priority, row.run_at, row.delay,
-                  row.max_attempts, key, rule.while_, rule.for_, rule.on_conflict)  # fmt: skip
+                  row.max_attempts, key, rule.while_, rule.for_, rule.on_conflict,
+                  row.limit_key)  # fmt: skip
 
 
 # --- I/O: sync and async twins ------------------------------------------------------------
@@ -381,11 +410,12 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobR
     raise _no_answer(row)
 
 
-def _copy_text(rows: Sequence[JobRow], db_now: datetime) -> str:
+def _copy_text(rows: Sequence[JobRow], clock: BatchClock) -> str:
     """COPY text for a chunk of rows. Text COPY of pre-formatted lines costs a fraction of
     binary ``write_row`` per row, which formats each field in Python."""
+    db_now, limited = clock
     now_text = db_now.isoformat()
-    return "".join(row.copy_line(now_text, db_now) for row in rows)
+    return "".join(row.copy_line(now_text, db_now, limited) for row in rows)
 
 
 # The chunks are checked lazily, inside the COPY: PostgreSQL ingests one chunk while Python checks
@@ -397,23 +427,25 @@ def _copy_text(rows: Sequence[JobRow], db_now: datetime) -> str:
 # any share one COPY, so a batch without unique jobs is one COPY as before.
 
 _UNIQUE_ARRAYS = ("queues", "tasks", "args", "priorities", "run_ats", "max_attempts", "keys",
-                  "whiles", "fors")  # fmt: skip
+                  "whiles", "fors", "limit_keys")  # fmt: skip
 
 
 def _has_unique(rows: Sequence[JobRow]) -> bool:
     return any(row.unique_key is not None for row in rows)
 
 
-def unique_groups(rows: Sequence[JobRow], db_now: datetime) -> list[tuple[str, list[list[Any]]]]:
+def unique_groups(rows: Sequence[JobRow], clock: BatchClock) -> list[tuple[str, list[list[Any]]]]:
     """A chunk as insert_unique_jobs rows, one group per on_conflict, repeats of a key merged
     into its first row (a statement cannot update one row twice). A repeat counts as a
     duplicate of the first; with replace or debounce the first takes its arguments
     and priority, and with debounce the later of the two run_at values, as if enqueued in turn."""
+    db_now, limited = clock
     groups: dict[str, list[list[Any]]] = {}
     seen: dict[tuple[str, str], list[Any]] = {}
     for row in rows:
         entry = [row.queue, row.task, row.args_json, row.priority, row.db_run_at(db_now),
-                 row.max_attempts, row.unique_key, row.unique_while, row.unique_for]  # fmt: skip
+                 row.max_attempts, row.unique_key, row.unique_while, row.unique_for,
+                 row.group_key(limited)]  # fmt: skip
         key = row.unique_key
         if key is not None:
             first = seen.get((row.on_conflict, key))
@@ -480,7 +512,7 @@ def insert_unique_chunks(
     q: Queries,
     rows: Sequence[JobRow],
     chunks: Iterator[Sequence[JobRow]],
-    db_now: datetime,
+    clock: BatchClock,
 ) -> tuple[int, Sequence[JobRow] | None]:
     """Writes ``rows`` and the chunks after it that hold unique jobs, in a pipeline: PostgreSQL
     inserts one chunk while Python checks the next, as with COPY. Returns the new jobs written
@@ -491,7 +523,7 @@ def insert_unique_chunks(
         sent: list[tuple[psycopg.Cursor[Any], str, list[list[Any]]]] = []
         with conn.pipeline():
             for _ in range(PIPELINE_CHUNKS):
-                groups = unique_groups(next_rows, db_now)
+                groups = unique_groups(next_rows, clock)
                 for mode, entries in groups:
                     cur = conn.cursor()
                     cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
@@ -515,7 +547,7 @@ async def insert_unique_chunks_async(
     q: Queries,
     rows: Sequence[JobRow],
     chunks: Iterator[Sequence[JobRow]],
-    db_now: datetime,
+    clock: BatchClock,
 ) -> tuple[int, Sequence[JobRow] | None]:
     written = 0
     next_rows: Sequence[JobRow] | None = rows
@@ -523,7 +555,7 @@ async def insert_unique_chunks_async(
         sent: list[tuple[psycopg.AsyncCursor[Any], str, list[list[Any]]]] = []
         async with conn.pipeline():
             for _ in range(PIPELINE_CHUNKS):
-                groups = unique_groups(next_rows, db_now)
+                groups = unique_groups(next_rows, clock)
                 for mode, entries in groups:
                     cur = conn.cursor()
                     await cur.execute(q.insert_unique_jobs, _group_params(mode, entries))
@@ -560,19 +592,19 @@ def _mixed(
     cur: psycopg.Cursor[Any],
     q: Queries,
     it: Iterator[Sequence[JobRow]],
-    db_now: datetime,
+    clock: BatchClock,
 ) -> int:
     """Chunks with unique jobs through insert_unique_jobs, runs of others through one COPY."""
     count = 0
     rows = next(it, None)
     while rows is not None:
         if _has_unique(rows):
-            written, rows = insert_unique_chunks(conn, q, rows, it, db_now)
+            written, rows = insert_unique_chunks(conn, q, rows, it, clock)
             count += written
             continue
         with cur.copy(q.copy_jobs) as copy:
             while rows is not None and not _has_unique(rows):
-                copy.write(_copy_text(rows, db_now))
+                copy.write(_copy_text(rows, clock))
                 count += len(rows)
                 rows = next(it, None)
     return count
@@ -583,18 +615,18 @@ async def _mixed_async(
     cur: psycopg.AsyncCursor[Any],
     q: Queries,
     it: Iterator[Sequence[JobRow]],
-    db_now: datetime,
+    clock: BatchClock,
 ) -> int:
     count = 0
     rows = next(it, None)
     while rows is not None:
         if _has_unique(rows):
-            written, rows = await insert_unique_chunks_async(conn, q, rows, it, db_now)
+            written, rows = await insert_unique_chunks_async(conn, q, rows, it, clock)
             count += written
             continue
         async with cur.copy(q.copy_jobs) as copy:
             while rows is not None and not _has_unique(rows):
-                await copy.write(_copy_text(rows, db_now))
+                await copy.write(_copy_text(rows, clock))
                 count += len(rows)
                 rows = next(it, None)
     return count
@@ -608,14 +640,14 @@ def copy_rows(conn: psycopg.Connection[Any], q: Queries, chunks: Iterable[Sequen
     with conn.cursor() as cur:
         now_row = cur.execute(q.database_now).fetchone()
         assert now_row is not None
-        db_now = now_row[0]
+        clock = BatchClock(now_row[0], frozenset(now_row[1]))
         with conn.transaction():
             it = iter(chunks)
             rows = next(it, None)
             if rows is not None and not _has_unique(rows):
                 with cur.copy(q.copy_jobs) as copy:
                     while rows is not None and not _has_unique(rows):
-                        copy.write(_copy_text(rows, db_now))
+                        copy.write(_copy_text(rows, clock))
                         count += len(rows)
                         rows = next(it, None)
             if rows is None:
@@ -627,7 +659,7 @@ def copy_rows(conn: psycopg.Connection[Any], q: Queries, chunks: Iterable[Sequen
                         seen.append(rows)
                         if _repeats_a_key(rows):
                             raise _RepeatedKey
-                        copy.write(_copy_text(rows, db_now))
+                        copy.write(_copy_text(rows, clock))
                         rows = next(it, None)
                 return count + sum(len(r) for r in seen)
             except psycopg.errors.UniqueViolation as exc:
@@ -635,7 +667,7 @@ def copy_rows(conn: psycopg.Connection[Any], q: Queries, chunks: Iterable[Sequen
                     raise
             except _RepeatedKey:
                 pass
-            return count + _mixed(conn, cur, q, itertools.chain(seen, it), db_now)
+            return count + _mixed(conn, cur, q, itertools.chain(seen, it), clock)
 
 
 async def copy_rows_async(
@@ -646,14 +678,14 @@ async def copy_rows_async(
         await cur.execute(q.database_now)
         now_row = await cur.fetchone()
         assert now_row is not None
-        db_now = now_row[0]
+        clock = BatchClock(now_row[0], frozenset(now_row[1]))
         async with conn.transaction():
             it = iter(chunks)
             rows = next(it, None)
             if rows is not None and not _has_unique(rows):
                 async with cur.copy(q.copy_jobs) as copy:
                     while rows is not None and not _has_unique(rows):
-                        await copy.write(_copy_text(rows, db_now))
+                        await copy.write(_copy_text(rows, clock))
                         count += len(rows)
                         rows = next(it, None)
             if rows is None:
@@ -665,7 +697,7 @@ async def copy_rows_async(
                         seen.append(rows)
                         if _repeats_a_key(rows):
                             raise _RepeatedKey
-                        await copy.write(_copy_text(rows, db_now))
+                        await copy.write(_copy_text(rows, clock))
                         rows = next(it, None)
                 return count + sum(len(r) for r in seen)
             except psycopg.errors.UniqueViolation as exc:
@@ -673,4 +705,4 @@ async def copy_rows_async(
                     raise
             except _RepeatedKey:
                 pass
-            return count + await _mixed_async(conn, cur, q, itertools.chain(seen, it), db_now)
+            return count + await _mixed_async(conn, cur, q, itertools.chain(seen, it), clock)

@@ -3,10 +3,14 @@
 
 -- name: insert_job
 -- One row, run_at from the database clock (now() + delay) unless an absolute time is given.
-INSERT INTO {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts)
+-- The limit group is the producer's (its task declares a limit) or, when it has none, '' for a
+-- task limited in the database (an app that does not declare the task, an operator's limit):
+-- one primary-key probe of the small pgqueue_tasks, so no job of a limited task escapes it.
+INSERT INTO {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts, limit_key)
 VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
-        %(max_attempts)s)
+        %(max_attempts)s,
+        COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)))
 RETURNING id
 
 -- name: insert_unique_job
@@ -22,10 +26,12 @@ RETURNING id
 -- RETURNING: the id, whether it is an existing job (ON CONFLICT's lock sets its xmax), and
 -- whether that job took the new values.
 INSERT INTO {schema}.pgqueue_jobs AS j
-    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for)
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
+     limit_key)
 VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
-        %(max_attempts)s, %(unique_key)s, %(unique_while)s, %(unique_for)s)
+        %(max_attempts)s, %(unique_key)s, %(unique_while)s, %(unique_for)s,
+        COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)))
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE
 SET args = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
                 THEN EXCLUDED.args ELSE j.args END,
@@ -47,15 +53,16 @@ RETURNING j.id, j.xmax <> 0,
 -- key are plain inserts. RETURNING names the keys answered; the producer releases the keys of
 -- the rest (their jobs no longer hold them) and runs those rows again.
 INSERT INTO {schema}.pgqueue_jobs AS j
-    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for)
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
+     limit_key)
 SELECT d.queue, d.task, d.args::jsonb, d.priority, d.run_at, d.max_attempts, d.unique_key,
-       d.unique_while, d.unique_for
+       d.unique_while, d.unique_for, d.limit_key
 FROM unnest(%(queues)b::text[], %(tasks)b::text[], %(args)b::text[], %(priorities)b::int[],
             %(run_ats)b::timestamptz[], %(max_attempts)b::int[], %(keys)b::text[],
-            %(whiles)b::text[], %(fors)b::float8[])
+            %(whiles)b::text[], %(fors)b::float8[], %(limit_keys)b::text[])
      WITH ORDINALITY
      AS d(queue, task, args, priority, run_at, max_attempts, unique_key, unique_while,
-          unique_for, ord)
+          unique_for, limit_key, ord)
 ORDER BY d.ord
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE
 SET args = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
@@ -86,13 +93,16 @@ WHERE o.unique_key = ANY(%(keys)s::text[])
 -- Unique jobs are copied too, optimistically: a key that some job already carries fails the
 -- COPY (pgqueue_jobs_unique_idx), its savepoint rolls back, and the producer writes those chunks
 -- again with insert_unique_jobs, which answers duplicates. A batch of new keys costs a COPY.
+-- Limit groups come from the producer (BatchClock: it read the limited tasks with the clock).
 COPY {schema}.pgqueue_jobs
-    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for)
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
+     limit_key)
 FROM STDIN
 
 -- name: database_now
--- The reference time for bulk rows' run_at: the database clock, never the caller's.
-SELECT now()
+-- The reference time for bulk rows' run_at: the database clock, never the caller's; and the
+-- tasks limited in the database, whose jobs a bulk enqueue gives a limit group ('').
+SELECT now(), ARRAY(SELECT name FROM {schema}.pgqueue_tasks)
 
 -- name: announce_waiting
 -- A worker waiting for work says so, on its LISTEN connection: producers notify while any worker
@@ -162,6 +172,97 @@ RETURNING name
 -- name: paused_queues
 SELECT name, paused_at FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
 
+-- name: set_queue_limits
+-- An operator's limit and/or rate for a queue (`pgqueue queues limit|rate`), NULL for none. The
+-- caller wakes waiting workers after the commit (a raised limit frees slots at once).
+INSERT INTO {schema}.pgqueue_queues AS q (name, concurrency_limit, rate_limit, rate_period)
+VALUES (%(name)s, %(limit)s, %(rate_limit)s, %(rate_period)s)
+ON CONFLICT (name) DO UPDATE
+SET concurrency_limit = CASE WHEN %(set_limit)s THEN EXCLUDED.concurrency_limit
+                             ELSE q.concurrency_limit END,
+    rate_limit = CASE WHEN %(set_rate)s THEN EXCLUDED.rate_limit ELSE q.rate_limit END,
+    rate_period = CASE WHEN %(set_rate)s THEN EXCLUDED.rate_period ELSE q.rate_period END,
+    updated_at = now()
+RETURNING q.name
+
+-- name: queue_settings
+-- Every queue with operator state (paused, limited), by name.
+SELECT name, paused, paused_at, concurrency_limit, rate_limit, rate_period
+FROM {schema}.pgqueue_queues ORDER BY name
+
+-- name: declare_task_limits
+-- A worker's declared limits (@app.task(limit=, rate=, limit_key=)), written at its start. A
+-- task an operator set (overridden) keeps the operator's values; whether it is limited per key
+-- always follows the code, which computes the keys. Rows that already match stay as they are.
+-- RETURNING names the tasks new to the table or changed to or from per key: the worker gives
+-- their waiting jobs a limit group (stamp_limit_keys).
+INSERT INTO {schema}.pgqueue_tasks AS t (name, concurrency_limit, rate_limit, rate_period, per_key)
+SELECT d.name, d.lim, d.rate_limit, d.rate_period, d.per_key
+FROM unnest(%(names)s::text[], %(limits)s::int[], %(rate_limits)s::int[],
+            %(rate_periods)s::float8[], %(per_keys)s::bool[])
+     AS d(name, lim, rate_limit, rate_period, per_key)
+ORDER BY d.name
+ON CONFLICT (name) DO UPDATE
+SET concurrency_limit = CASE WHEN t.overridden THEN t.concurrency_limit
+                             ELSE EXCLUDED.concurrency_limit END,
+    rate_limit = CASE WHEN t.overridden THEN t.rate_limit ELSE EXCLUDED.rate_limit END,
+    rate_period = CASE WHEN t.overridden THEN t.rate_period ELSE EXCLUDED.rate_period END,
+    per_key = EXCLUDED.per_key, updated_at = now()
+WHERE t.per_key <> EXCLUDED.per_key
+   OR (NOT t.overridden
+       AND (t.concurrency_limit, t.rate_limit, t.rate_period)
+           IS DISTINCT FROM (EXCLUDED.concurrency_limit, EXCLUDED.rate_limit, EXCLUDED.rate_period))
+RETURNING t.name, t.xmax = 0 OR t.per_key
+
+-- name: set_task_limits
+-- An operator's limit and/or rate for a task (`pgqueue tasks limit|rate`): kept over what the
+-- code declares until reset_task_limits. A task without a row gets one (its later jobs get the
+-- group '' at enqueue; waiting ones are given it by stamp_task_jobs).
+INSERT INTO {schema}.pgqueue_tasks AS t
+    (name, concurrency_limit, rate_limit, rate_period, overridden)
+VALUES (%(name)s, %(limit)s, %(rate_limit)s, %(rate_period)s, true)
+ON CONFLICT (name) DO UPDATE
+SET concurrency_limit = CASE WHEN %(set_limit)s THEN EXCLUDED.concurrency_limit
+                             ELSE t.concurrency_limit END,
+    rate_limit = CASE WHEN %(set_rate)s THEN EXCLUDED.rate_limit ELSE t.rate_limit END,
+    rate_period = CASE WHEN %(set_rate)s THEN EXCLUDED.rate_period ELSE t.rate_period END,
+    overridden = true, updated_at = now()
+RETURNING t.name, t.xmax = 0
+
+-- name: reset_task_limits
+-- The code's values apply again from the next worker start (workers write them).
+UPDATE {schema}.pgqueue_tasks SET overridden = false, updated_at = now()
+WHERE name = %(name)s AND overridden
+RETURNING name
+
+-- name: task_limits
+SELECT name, concurrency_limit, rate_limit, rate_period, per_key, overridden
+FROM {schema}.pgqueue_tasks ORDER BY name
+
+-- name: served_queues
+-- The queue names that wake every waiting worker: each listed queue, and one name for the
+-- workers that serve every queue (any name wakes those).
+SELECT DISTINCT q FROM {schema}.pgqueue_workers w,
+       unnest(COALESCE(w.queues, ARRAY['default'])) AS q
+
+-- name: unstamped_jobs
+-- Waiting jobs of a task without a limit group (enqueued before its limit existed), a batch at a
+-- time in id order; only when a task's limit is new, so a pass over the table is rare.
+SELECT id, args::text FROM {schema}.pgqueue_jobs
+WHERE id > %(after)s AND task = %(task)s AND status IN ('queued', 'retrying')
+      AND limit_key IS NULL
+ORDER BY id LIMIT 1000
+
+-- name: stamp_limit_keys
+-- Gives those jobs their group. Rows a claim holds right now are skipped (SKIP LOCKED): such a
+-- job is being claimed by the plain claim, which is what happened before the limit existed.
+UPDATE {schema}.pgqueue_jobs j SET limit_key = s.key
+FROM unnest(%(ids)s::bigint[], %(keys)s::text[]) AS s(id, key)
+WHERE j.id = s.id AND j.status IN ('queued', 'retrying') AND j.limit_key IS NULL
+  AND j.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l
+                       WHERE l.id = ANY(%(ids)s::bigint[]) ORDER BY l.id
+                       FOR UPDATE SKIP LOCKED))
+
 -- name: claim_jobs
 -- One statement claims a batch: due jobs in the order priority DESC, run_at, id. The inner SELECT
 -- is a range scan of pgqueue_jobs_ready_idx in exactly its order; SKIP LOCKED lets any number of
@@ -178,7 +279,9 @@ SELECT name, paused_at FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
 -- EXISTS is a one-time filter, evaluated once per claim). %(tasks)s is NULL unless the worker met
 -- a task it does not know (a rolling deploy): it then claims only its own tasks and leaves the
 -- others' jobs queued for workers that know them.
--- Jobs of paused queues (pgqueue_queues) are skipped: the ARRAY of paused names is an
+-- Jobs of paused queues (pgqueue_queues) are skipped, and so are the jobs that only the limited
+-- claim may take (claim_limited_jobs): those of queues with a limit or a rate, and those with a
+-- limit group (limit_key). The ARRAY of such queue names is an
 -- uncorrelated subquery, so PostgreSQL reads that small table once per claim (an InitPlan), not
 -- per row. `queue || ''` hides the column from the planner's statistics: with a few distinct
 -- queues it would estimate `queue <> ALL(unknown array)` to keep almost no row, and then sort
@@ -207,7 +310,10 @@ WITH claimed AS (
     WHERE j.id = ANY(ARRAY(
         SELECT id FROM {schema}.pgqueue_jobs
         WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
-          AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+          AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
+                                       WHERE paused OR concurrency_limit IS NOT NULL
+                                             OR rate_limit IS NOT NULL))
+          AND limit_key IS NULL
           AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
           AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
                       WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
@@ -278,7 +384,9 @@ WITH claimed AS (
                   AND (run_at, id) >= (g.first_run_at, g.first_id) AND run_at <= now()
                   {queue_filter}
                   AND queue || '' <> ALL(ARRAY(
-                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+                      SELECT name FROM {schema}.pgqueue_queues
+                      WHERE paused OR concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL))
+                  AND limit_key IS NULL
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -291,7 +399,9 @@ WITH claimed AS (
             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
                   AND priority < (SELECT priority FROM groups WHERE depth = 32)
                   AND queue || '' <> ALL(ARRAY(
-                      SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+                      SELECT name FROM {schema}.pgqueue_queues
+                      WHERE paused OR concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL))
+                  AND limit_key IS NULL
                   AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
             ORDER BY priority DESC, run_at, id
             LIMIT (SELECT %(limit)s::int)
@@ -304,6 +414,206 @@ WITH claimed AS (
               j.priority, j.run_at
 )
 SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds
+FROM claimed ORDER BY priority DESC, run_at, id
+
+-- name: begin_limited_claim
+-- The limited claim's transaction counts slots in its second statement with a snapshot newer
+-- than its locks: READ COMMITTED whatever the server's default. A claimer that stalls between
+-- its statements (SIGSTOP) would hold its groups' locks: its session ends after %(idle)s ms
+-- idle in the transaction (limit_claim_timeout), which gives the locks back and claims nothing.
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED
+
+-- name: limit_claim_timeout
+SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
+
+-- name: lock_limit_groups
+-- The limited claim's first statement (concepts/limits.md), in a READ COMMITTED transaction
+-- with claim_limited_jobs: it takes, without waiting, the advisory lock of each limited queue the
+-- worker serves and of the limit groups it will claim from, so that one claimer at a time counts
+-- and fills a group's slots. The count is claim_limited_jobs' job, in the next statement: its
+-- snapshot, taken after these locks, sees every claim of the group committed before them (a
+-- count in this statement could miss one that committed while it waited for nothing).
+-- Groups are found by a walk over pgqueue_jobs_limited_idx, one descent per distinct (task,
+-- key) with waiting jobs, from the cursor the worker keeps (its last group) to %(scan)s groups
+-- on, then from the start up to the cursor: round-robin, so a key with 100,000 waiting jobs
+-- gets its turn like a key with 5. Every group walked is returned (locked or not), so the
+-- worker's cursor also moves past groups of tasks it does not run. A group is locked only if it may give a job (by this
+-- statement's snapshot: free slots, rate left, a due job); a group out of rate returns when it
+-- has rate again (wait, seconds), so the worker can sleep until then. Lock keys are the schema
+-- and the group's name, hashed: a collision can only serialise two groups' claims. Paused queues
+-- the worker serves are returned too ('p'): with the limited queues it could not lock, their
+-- jobs are left alone by claim_limited_jobs (%(blocked)s).
+WITH RECURSIVE after_cursor (n, task, key) AS (
+    SELECT 0, %(after_task)s::text, %(after_key)s::text
+    UNION ALL
+    SELECT w.n + 1, nx.task, nx.limit_key FROM after_cursor w CROSS JOIN LATERAL (
+        SELECT j.task, j.limit_key FROM {schema}.pgqueue_jobs j
+        WHERE j.status IN ('queued', 'retrying') AND j.limit_key IS NOT NULL
+          AND (j.task, j.limit_key) > (w.task, w.key)
+        ORDER BY j.task, j.limit_key LIMIT 1
+    ) nx
+    WHERE w.n < %(scan)s
+),
+from_start (n, task, key) AS (
+    SELECT 0, ''::text, ''::text
+    UNION ALL
+    SELECT w.n + 1, nx.task, nx.limit_key FROM from_start w CROSS JOIN LATERAL (
+        SELECT j.task, j.limit_key FROM {schema}.pgqueue_jobs j
+        WHERE j.status IN ('queued', 'retrying') AND j.limit_key IS NOT NULL
+          AND (j.task, j.limit_key) > (w.task, w.key)
+        ORDER BY j.task, j.limit_key LIMIT 1
+    ) nx
+    WHERE w.n < %(scan)s - (SELECT max(n) FROM after_cursor)
+      AND (nx.task, nx.limit_key) <= (%(after_task)s::text, %(after_key)s::text)
+),
+walked AS (
+    SELECT n, task, key FROM after_cursor WHERE n > 0
+    UNION ALL
+    SELECT %(scan)s + n, task, key FROM from_start WHERE n > 0
+),
+looked AS (
+    SELECT w.n, w.task, w.key, t.concurrency_limit, t.rate_limit, t.rate_period,
+           't:' || length(w.task) || ':' || w.task || ':' || w.key AS name,
+           w.task = ANY(%(tasks)s::text[]) AS served
+    FROM walked w LEFT JOIN {schema}.pgqueue_tasks t ON t.name = w.task
+),
+checked AS (
+    SELECT l.*,
+           (l.concurrency_limit IS NULL OR l.concurrency_limit > (
+               SELECT count(*) FROM {schema}.pgqueue_jobs r
+               WHERE r.status = 'running' AND r.task = l.task AND r.limit_key = l.key)) AS free,
+           (SELECT extract(epoch FROM min(x.at) + make_interval(secs => l.rate_period) - now())
+            FROM {schema}.pgqueue_rates rt, unnest(rt.times, rt.counts) AS x(at, c)
+            WHERE rt.name = l.name AND x.at > now() - make_interval(secs => l.rate_period)
+            HAVING sum(x.c) >= l.rate_limit)::float8 AS wait,
+           EXISTS (SELECT FROM {schema}.pgqueue_jobs d
+                   WHERE d.status IN ('queued', 'retrying') AND d.task = l.task
+                         AND d.limit_key = l.key AND d.run_at <= now()
+                         AND (%(queues)s::text[] IS NULL OR d.queue = ANY(%(queues)s::text[])))
+               AS due
+    FROM looked l
+),
+queues AS (
+    SELECT q.name, q.paused FROM {schema}.pgqueue_queues q
+    WHERE (q.paused OR q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL)
+      AND (%(queues)s::text[] IS NULL OR q.name = ANY(%(queues)s::text[]))
+)
+SELECT 'g', c.task, c.key, c.n,
+       CASE WHEN c.served AND c.free AND c.wait IS NULL AND c.due
+            THEN pg_try_advisory_xact_lock(hashtextextended(%(schema)s || ':' || c.name, 0))
+            ELSE false END,
+       c.wait
+FROM checked c
+UNION ALL
+SELECT CASE WHEN q.paused THEN 'p' ELSE 'q' END, q.name, NULL, NULL,
+       NOT q.paused
+       AND pg_try_advisory_xact_lock(hashtextextended(%(schema)s || ':q:' || q.name, 0)),
+       NULL
+FROM queues q
+
+-- name: claim_limited_jobs
+-- The limited claim's second statement: jobs of the groups and queues lock_limit_groups locked,
+-- within their slots and rates, counted now (this statement's snapshot is newer than the locks,
+-- see there). A group's slots are its running jobs: taken here, given back only when the job
+-- leaves 'running' (the fenced ack, the reaper once its lease expired, a release), so a crashed
+-- or stalled worker holds a slot until its lease is reaped and never frees one twice. A
+-- group's rate is what pgqueue_rates logged in the last period; the jobs started here are
+-- logged in the same statement. Each group gives its budget in claim order; the batch takes
+-- every group's first job before any group's second (fair between keys), within each limited
+-- queue's own budget, which the jobs of limited tasks in that queue count against too. Jobs of a
+-- limited queue this claimer could not lock, or of a paused one, are left alone (%(blocked)s,
+-- from lock_limit_groups: a queue paused or limited since then waits for the next claim). Rows are
+-- locked as the groups' scans find them (SKIP LOCKED); those the batch leaves out stay locked
+-- until the transaction ends, a few milliseconds.
+WITH grp (ord, what, key, lim, rate_limit, rate_period, name) AS (
+    SELECT g.ord, g.task, g.key, t.concurrency_limit, t.rate_limit, t.rate_period, g.name
+    FROM unnest(%(g_tasks)s::text[], %(g_keys)s::text[], %(g_names)s::text[])
+         WITH ORDINALITY AS g(task, key, name, ord)
+    LEFT JOIN {schema}.pgqueue_tasks t ON t.name = g.task
+    UNION ALL
+    SELECT 0, q.name, NULL, q.concurrency_limit, q.rate_limit, q.rate_period, 'q:' || q.name
+    FROM {schema}.pgqueue_queues q
+    WHERE q.name = ANY(%(lq)s::text[]) AND NOT q.paused
+      AND (q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL)
+),
+budget AS (
+    SELECT g.*, least(%(limit)s,
+        CASE WHEN g.ord = 0 THEN g.lim - (
+            SELECT count(*) FROM {schema}.pgqueue_jobs r
+            WHERE r.status = 'running' AND r.queue = g.what)
+        ELSE g.lim - (
+            SELECT count(*) FROM {schema}.pgqueue_jobs r
+            WHERE r.status = 'running' AND r.task = g.what AND r.limit_key = g.key) END,
+        g.rate_limit - (
+            SELECT COALESCE(sum(x.c), 0)
+            FROM {schema}.pgqueue_rates rt, unnest(rt.times, rt.counts) x(at, c)
+            WHERE rt.name = g.name AND x.at > now() - make_interval(secs => g.rate_period))
+    ) AS budget
+    FROM grp g
+),
+cand AS (
+    SELECT c.*, b.ord, b.what FROM budget b CROSS JOIN LATERAL (
+        SELECT j.id, j.queue, j.priority, j.run_at FROM {schema}.pgqueue_jobs j
+        WHERE j.status IN ('queued', 'retrying') AND j.task = b.what
+              AND j.limit_key = b.key AND j.run_at <= now()
+              AND (%(queues)s::text[] IS NULL OR j.queue = ANY(%(queues)s::text[]))
+              AND j.queue <> ALL(%(blocked)s::text[])
+        ORDER BY j.priority DESC, j.run_at, j.id
+        LIMIT greatest(b.budget, 0)
+        FOR UPDATE SKIP LOCKED
+    ) c
+    WHERE b.ord > 0
+    UNION ALL
+    SELECT c.*, 0, b.what FROM budget b CROSS JOIN LATERAL (
+        SELECT j.id, j.queue, j.priority, j.run_at FROM {schema}.pgqueue_jobs j
+        WHERE j.status IN ('queued', 'retrying') AND j.queue = b.what AND j.run_at <= now()
+              AND j.limit_key IS NULL
+              AND (%(tasks)s::text[] IS NULL OR j.task = ANY(%(tasks)s::text[]))
+        ORDER BY j.priority DESC, j.run_at, j.id
+        LIMIT greatest(b.budget, 0)
+        FOR UPDATE SKIP LOCKED
+    ) c
+    WHERE b.ord = 0
+),
+taken AS (
+    SELECT r.id FROM (
+        SELECT r.*, row_number() OVER (PARTITION BY r.queue ORDER BY r.turn, r.ord) AS in_queue
+        FROM (SELECT c.*, row_number() OVER (PARTITION BY c.ord, c.what
+                                             ORDER BY c.priority DESC, c.run_at, c.id) AS turn
+              FROM cand c) r
+    ) r
+    LEFT JOIN budget b ON b.ord = 0 AND b.what = r.queue
+    WHERE b.what IS NULL OR r.in_queue <= b.budget
+    ORDER BY r.turn, r.ord
+    LIMIT %(limit)s
+),
+claimed AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+    WHERE j.id = ANY(ARRAY(SELECT id FROM taken))
+      AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                  WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
+    RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
+              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
+              j.priority, j.run_at
+),
+logged AS (
+    INSERT INTO {schema}.pgqueue_rates AS rt (name, period, times, counts)
+    SELECT b.name, b.rate_period, ARRAY[now()], ARRAY[count(*)::int]
+    FROM claimed c JOIN budget b
+         ON (b.ord > 0 AND b.what = c.task AND b.key = c.limit_key)
+            OR (b.ord = 0 AND b.what = c.queue)
+    WHERE b.rate_limit IS NOT NULL
+    GROUP BY b.name, b.rate_period
+    ON CONFLICT (name) DO UPDATE
+    SET period = EXCLUDED.period, (times, counts) = (
+        SELECT array_agg(x.at ORDER BY x.at) || EXCLUDED.times,
+               array_agg(x.c ORDER BY x.at) || EXCLUDED.counts
+        FROM unnest(rt.times, rt.counts) AS x(at, c)
+        WHERE x.at > now() - make_interval(secs => EXCLUDED.period))
+)
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, limit_key
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: next_ready_at
@@ -326,7 +636,10 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- earliest future job of each priority is looked up past them (one descent while nothing is
 -- paused, when a priority's first entry is its answer). The scan beyond 32 priorities still
 -- counts them: filtering there needs the heap, and the planner then reads the whole table; an
--- early wake-up is all they can cost.
+-- early wake-up is all they can cost. Jobs only the limited claim may take count like any other
+-- (one falling due is worth a look, even if its group is full then).
+-- The second column says whether the limited claim has anything to do for this worker: jobs
+-- with a limit group wait, or a queue it serves has a limit or a rate (one index probe each).
 WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
     VALUES (0, 2147483648, NULL::timestamptz, NULL::bigint)
     UNION ALL
@@ -358,7 +671,12 @@ SELECT extract(epoch FROM least(
      WHERE status IN ('queued', 'retrying')
            AND run_at > now() - make_interval(secs => %(lookback)s) {queue_filter}
            AND priority < (SELECT priority FROM groups WHERE depth = 32))
-) - now())::float8
+) - now())::float8,
+       EXISTS (SELECT FROM {schema}.pgqueue_jobs
+               WHERE status IN ('queued', 'retrying') AND limit_key IS NOT NULL)
+       OR EXISTS (SELECT FROM {schema}.pgqueue_queues
+                  WHERE NOT paused AND (concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)
+                        {limited_queue_match})
 
 -- name: complete_jobs
 -- Batched acks, fenced per job: a row changes only while it still carries the lease token this

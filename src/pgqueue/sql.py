@@ -39,14 +39,17 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
 #: the custom plan folds its second condition into ``queue = 'name'``, an equality again).
 #: Paused queues cost no read (see claim_jobs): the walk leaves them out by a check on the
 #: listed name, made before its descent, and the row filter's last condition is a one-time
-#: filter, so a worker whose every queue is paused reads no row rather than skip them all.
+#: filter, so a worker whose every queue is paused (or limited: claim_limited_jobs takes those)
+#: reads no row rather than skip them all.
 IN_QUEUES = {
     "queue_list": "unnest(%(queues)s::text[])",
     "queue_match": "AND queue = l.queue"
     " AND l.queue <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))",
     "queue_filter": "AND queue = ANY(%(queues)s::text[])"
     " AND (cardinality(%(queues)s::text[]) > 1 OR queue = (%(queues)s::text[])[1])"
-    " AND NOT (%(queues)s::text[] <@ ARRAY(SELECT name FROM {schema}.pgqueue_queues WHERE paused))",
+    " AND NOT (%(queues)s::text[] <@ ARRAY(SELECT name FROM {schema}.pgqueue_queues"
+    " WHERE paused OR concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL))",
+    "limited_queue_match": "AND name = ANY(%(queues)s::text[])",
 }
 #: Statements written once in queries.sql and rendered twice: the variant's name → its base
 #: section and the fragments it fills in. In the base each fragment is empty unless BASE names it.
@@ -75,14 +78,15 @@ BASE = {
 
 def load_sections(package: str = "pgqueue", filename: str = "queries.sql") -> dict[str, str]:
     """The ``-- name:`` sections of a packaged SQL file (the dashboard keeps its own file),
-    without their comment lines: those document the file, and psycopg parses a statement longer
-    than 4 KB again at every execution (its query cache skips such statements), which cost the
-    claim ~1 us of the worker's CPU per job once its comments outgrew that."""
+    without their comment lines and indentation: those document the file, and psycopg parses a
+    statement longer than 4 KB again at every execution (its query cache skips such
+    statements), which cost the claim ~1 us of the worker's CPU per job once its comments
+    outgrew that. (No statement holds a string literal that spans lines.)"""
     text = resources.files(package).joinpath(filename).read_text("utf-8")
     parts = _SECTION.split(text)
     return {
         name: "\n".join(
-            line for line in body.strip().splitlines() if not line.lstrip().startswith("--")
+            line.strip() for line in body.strip().splitlines() if not line.lstrip().startswith("--")
         )
         for name, body in zip(parts[1::2], parts[2::2], strict=True)
     }
@@ -110,10 +114,23 @@ class Queries:
     pause_queue: bytes
     resume_queue: bytes
     paused_queues: bytes
+    set_queue_limits: bytes
+    queue_settings: bytes
+    declare_task_limits: bytes
+    set_task_limits: bytes
+    reset_task_limits: bytes
+    task_limits: bytes
+    served_queues: bytes
+    unstamped_jobs: bytes
+    stamp_limit_keys: bytes
     claim_jobs: bytes
     claim_jobs_in_queues: bytes
     claim_jobs_by_priority: bytes
     claim_jobs_by_priority_in_queues: bytes
+    begin_limited_claim: bytes
+    limit_claim_timeout: bytes
+    lock_limit_groups: bytes
+    claim_limited_jobs: bytes
     next_ready_at: bytes
     next_ready_at_in_queues: bytes
     complete_jobs: bytes

@@ -16,6 +16,7 @@ from .backoff import Backoff
 from .context import JobContext
 from .errors import ConfigurationError, InvalidJobError
 from .jobs import Enqueued
+from .limits import TaskLimits
 from .unique import OnConflict, UniqueBy, UniqueRule, UniqueWhile, combine
 
 if TYPE_CHECKING:
@@ -100,8 +101,11 @@ class Task(Generic[P, R]):
         options: TaskOptions,
         timeout: float | None,
         backoff: Backoff | None,
+        limits: TaskLimits | None = None,
     ) -> None:
         self.app = app
+        #: The declared limit, rate and limit key (concepts/limits.md), or None.
+        self.limits = limits
         self.func = func
         self.name = name
         self.options = options

@@ -222,7 +222,7 @@ def test_next_ready_at_is_the_earliest_future_run_at_among_waiting_jobs(
         params = {"queues": queues, "lookback": 0}
         with conn.transaction(force_rollback=True):  # one transaction: one now() for both
             (expected,) = conn.execute(NEXT_READY_REFERENCE, params).fetchone() or (None,)
-            (found,) = conn.execute(statement, params).fetchone() or (None,)
+            (found, _) = conn.execute(statement, params).fetchone() or (None, None)
         assert found == expected
 
     same_as_min()
@@ -240,15 +240,15 @@ def test_next_ready_at_counts_the_first_future_job_behind_due_ones(conn: Conn) -
         " ('a', 't', 1, now() + interval '1 hour', 'retrying'),"
         " ('b', 't', 1, now() + interval '30 seconds', 'queued')"
     )
-    (all_queues,) = conn.execute(q.next_ready_at, {"lookback": 0}).fetchone() or (None,)
+    (all_queues, _) = conn.execute(q.next_ready_at, {"lookback": 0}).fetchone() or (None, None)
     assert 25 < all_queues <= 30
-    (in_a,) = conn.execute(
+    (in_a, _) = conn.execute(
         q.next_ready_at_in_queues, {"queues": ["a"], "lookback": 0}
-    ).fetchone() or (None,)
+    ).fetchone() or (None, None)
     assert 85 < in_a <= 90
-    (in_c,) = conn.execute(
+    (in_c, _) = conn.execute(
         q.next_ready_at_in_queues, {"queues": ["c"], "lookback": 0}
-    ).fetchone() or (None,)
+    ).fetchone() or (None, None)
     assert in_c is None
 
 
@@ -259,14 +259,14 @@ def test_next_ready_at_counts_a_job_that_fell_due_since_the_last_claim(conn: Con
     none, only jobs still ahead count."""
     q = queries("public")
     conn.execute("INSERT INTO pgqueue_jobs (queue, task, run_at) VALUES ('a', 't', now())")
-    (lost,) = conn.execute(q.next_ready_at, {"lookback": 0}).fetchone() or (None,)
+    (lost, _) = conn.execute(q.next_ready_at, {"lookback": 0}).fetchone() or (None, None)
     assert lost is None  # what the worker saw before: nothing to wait for
     cases: list[tuple[bytes, dict[str, Any]]] = [
         (q.next_ready_at, {"lookback": 5}),
         (q.next_ready_at_in_queues, {"lookback": 5, "queues": ["a"]}),
     ]
     for statement, params in cases:
-        (found,) = conn.execute(statement, params).fetchone() or (None,)
+        (found, _) = conn.execute(statement, params).fetchone() or (None, None)
         assert found is not None and found <= 0
 
 

@@ -28,7 +28,7 @@ def run(runner: CliRunner, *args: str) -> Result:
 
 def test_pause_list_and_resume(runner: CliRunner, dsn: str, app: pgqueue.App) -> None:
     assert run(runner, "queues", "list", "--dsn", dsn).output == (
-        "no queues: no jobs, and none paused\n"
+        "no queues: no jobs, and none paused or limited\n"
     )
     app.enqueue("t", {}, queue="emails", allow_unknown=True)
     app.enqueue("t", {}, queue="reports", allow_unknown=True)
@@ -91,4 +91,51 @@ def test_unreachable_database_is_one_line_and_exit_code_2(
 def test_missing_tables_say_to_migrate(runner: CliRunner, empty_dsn: str, args: list[str]) -> None:
     result = runner.invoke(main, ["queues", *args, "--dsn", empty_dsn])
     assert result.exit_code == 1
-    assert result.stderr == "error: pgqueue's tables are missing: run `pgqueue migrate` first\n"
+    assert result.stderr == "error: pgqueue's tables are missing or older than this pgqueue: run `pgqueue migrate` first\n"
+
+
+def test_limit_and_rate_a_queue_and_a_task_at_run_time(
+    runner: CliRunner, dsn: str, app: pgqueue.App
+) -> None:
+    limited = run(runner, "queues", "limit", "api", "3", "--dsn", dsn)
+    assert limited.exit_code == 0 and limited.output == "queue 'api': limit 3\n"
+    rated = run(runner, "queues", "rate", "api", "100/m", "--dsn", dsn)
+    assert rated.exit_code == 0 and rated.output == "queue 'api': rate 100/m\n"
+    run(runner, "queues", "pause", "api", "--dsn", dsn)
+    listed = run(runner, "queues", "list", "--dsn", dsn).output.splitlines()
+    assert listed[1].split()[0] == "api" and listed[1].endswith("UTC; limit 3; rate 100/m")
+    [setting] = app.queue_limits()
+    assert (setting.limit, str(setting.rate), setting.paused) == (3, "100/m", True)
+
+    cleared = run(runner, "queues", "limit", "api", "none", "--dsn", dsn)
+    assert cleared.output == "queue 'api': no limit\n"
+    assert [(s.limit, str(s.rate)) for s in app.queue_limits()] == [(None, "100/m")]
+
+    assert run(runner, "tasks", "list", "--dsn", dsn).output == "no task has a limit or a rate\n"
+    assert run(runner, "tasks", "limit", "send", "2", "--dsn", dsn).exit_code == 0
+    assert run(runner, "tasks", "rate", "send", "10/5m", "--dsn", dsn).exit_code == 0
+    header, row = run(runner, "tasks", "list", "--dsn", dsn).output.splitlines()
+    assert header.split() == ["task", "limit", "rate", "per", "key", "set", "by"]
+    assert row.split() == ["send", "2", "10/5m", "no", "operator"]
+    assert run(runner, "tasks", "reset", "send", "--dsn", dsn).output == (
+        "task 'send': the code's limit and rate apply from the next worker start\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["queues", "limit", "api", "2.5"], "give a whole number of jobs, or 'none'"),
+        (["queues", "limit", "api", "lots"], "give a whole number of jobs, or 'none'"),
+        (["queues", "rate", "api", "100"], "is not understood"),
+        (["tasks", "rate", "t", "0/m"], "the count must be a whole number from 1"),
+        (["queues", "limit", " bad", "1"], "queue name"),
+    ],
+)
+def test_bad_limits_and_rates_get_one_line_errors(
+    runner: CliRunner, dsn: str, args: list[str], message: str
+) -> None:
+    result = runner.invoke(main, [*args, "--dsn", dsn])
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output

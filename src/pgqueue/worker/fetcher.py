@@ -24,6 +24,13 @@ jobs; only their cost differs.
 A job whose task this worker does not know (an older worker during a rolling deploy) is handed
 back at once without counting the attempt, and from then on the worker claims only its own tasks:
 such jobs wait, untouched, for a worker that knows them.
+
+Jobs under a limit or a rate (concepts/limits.md) are left out of those claims and taken by the
+limited claim (``claim_limited``), which next_ready_at says is needed. A round then runs both
+claims, the limited one first every other round, so neither kind of job waits on the other.
+A claim that came back short is not repeated until something may have changed: a notification,
+a slot freed by one of this worker's limited jobs, the poll, or (busy) every ``DELAYED_CHECK``.
+A group out of rate tells how long until it has rate again, and the fetcher sleeps no longer.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from uuid import UUID, uuid4
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from ..limits import group_name
 from ..sql import Queries
 from .state import ClaimedJob, WorkerState, pause, round_failed
 
@@ -46,6 +54,16 @@ log = logging.getLogger("pgqueue.worker.fetcher")
 PREFETCH_WINDOW = 0.05
 #: Seconds between looks at whether jobs not due yet exist, while the worker is busy.
 DELAYED_CHECK = 1.0
+#: Limit groups the limited claim walks per job it wants (and at least LIMIT_SCAN_MIN, at most
+#: LIMIT_SCAN_MAX): groups that are full are walked past, so the walk looks a little further.
+LIMIT_SCAN_FACTOR = 2
+LIMIT_SCAN_MIN = 16
+LIMIT_SCAN_MAX = 1000
+#: The limited claim's session ends if it stalls this long inside its transaction (milliseconds).
+LIMIT_CLAIM_IDLE_MS = "5000"
+#: When another worker held a limit group or queue this claim wanted: look again after this
+#: long (doubling while it stays held, up to the poll interval).
+LIMIT_BUSY_RETRY = 0.01
 #: Added to the time since the last claim when asking next_ready_at for jobs that fell due
 #: after it: the two statements' own delays on the way to the server.
 LOOKBACK_MARGIN = 0.05
@@ -69,7 +87,9 @@ class Fetcher:
         poll_interval: float,
         start: Callable[[ClaimedJob], None],
         wake: Callable[[list[str]], None] = lambda queues: None,
+        schema: str = "pgqueue",
     ) -> None:
+        self.schema = schema
         self.pool = pool
         self.q = q
         self.state = state
@@ -103,6 +123,17 @@ class Fetcher:
         #: Told after every claim whether the fetcher is about to wait for work (the notifier's
         #: ``set_waiting``; nothing to tell when not listening).
         self.on_waiting: Callable[[bool], None] = lambda waiting: None
+        #: Jobs under limits may wait for this worker (next_ready_at): run the limited claim.
+        self.limited = False
+        #: The limited claim's round-robin position: the last group it walked to.
+        self._cursor: tuple[str, str] = ("", "")
+        #: A claim of that kind came back short: skip it until something may have changed.
+        self._plain_dry = False
+        self._limited_dry = False
+        self._limited_first = False
+        self._busy_retry = LIMIT_BUSY_RETRY
+        #: The worker's own tasks (the limited claim only takes those: no hand-backs).
+        self._task_names = sorted(tasks)
 
     def buffer_target(self, now: float) -> int:
         """How many jobs to keep prefetched: what finished in the last window, capped."""
@@ -132,6 +163,134 @@ class Fetcher:
         # alone would call for a claim every few dozen jobs.
         low = len(state.buffer) <= target // 2
         return budget if low and budget >= max(target // 2, 1) else 0
+
+    async def claim_round(self, want: int) -> list[ClaimedJob]:
+        """One round of claims for ``want`` jobs: the plain claim, and the limited one while
+        limits apply (see the module docstring)."""
+        if not self.limited:
+            return await self.claim(want)
+        self._limited_first = not self._limited_first
+        jobs: list[ClaimedJob] = []
+        for limited in (True, False) if self._limited_first else (False, True):
+            left = want - len(jobs)
+            if left <= 0:
+                break
+            if limited and not self._limited_dry:
+                got = await self.claim_limited(left)
+                self._limited_dry = len(got) < left
+            elif not limited and not self._plain_dry:
+                got = await self.claim(left)
+                self._plain_dry = len(got) < left
+            else:
+                continue
+            jobs += got
+        return jobs
+
+    def _refresh(self) -> None:
+        """Something may have changed for both claims: try each again."""
+        self._plain_dry = self._limited_dry = False
+
+    def slot_freed(self) -> None:
+        """A limited job of this worker ended: its group may take another job."""
+        self._limited_dry = False
+        self._notified = True
+        self.state.wakeup.set()
+
+    async def claim_limited(self, limit: int) -> list[ClaimedJob]:
+        """Jobs under limits (lock_limit_groups, then claim_limited_jobs, one transaction)."""
+        token = uuid4()
+        q = self.q
+        scan = min(max(LIMIT_SCAN_FACTOR * limit, LIMIT_SCAN_MIN), LIMIT_SCAN_MAX)
+        tasks = self.only_tasks or self._task_names
+        params: dict[str, Any] = {
+            "schema": self.schema,
+            "queues": self.queues,
+            "tasks": tasks,
+            "after_task": self._cursor[0],
+            "after_key": self._cursor[1],
+            "scan": scan,
+        }
+        rows: list[Any] = []
+        async with self.pool.connection() as conn:
+            self._claim_sent = asyncio.get_running_loop().time()
+            async with conn.transaction():
+                await conn.execute(q.begin_limited_claim)
+                await conn.execute(q.limit_claim_timeout, {"idle": LIMIT_CLAIM_IDLE_MS})
+                cur = await conn.execute(q.lock_limit_groups, params)
+                locks = await cur.fetchall()
+                order: dict[tuple[str, str], int] = {}
+                g_tasks: list[str] = []
+                g_keys: list[str] = []
+                lq: list[str] = []
+                blocked: list[str] = []
+                busy = False
+                wait: float | None = None
+                last: tuple[str, str] | None = None
+                for kind, name, key, n, locked, rate_wait in locks:
+                    if kind in ("q", "p"):
+                        if locked:
+                            lq.append(name)
+                        else:
+                            blocked.append(name)
+                            busy = busy or kind == "q"
+                        continue
+                    last = (name, key)
+                    order[last] = n
+                    if locked:
+                        g_tasks.append(name)
+                        g_keys.append(key)
+                    elif rate_wait is not None:
+                        wait = rate_wait if wait is None else min(wait, rate_wait)
+                if g_tasks or lq:
+                    cur = await conn.execute(
+                        q.claim_limited_jobs,
+                        {
+                            "worker_id": self.worker_id,
+                            "token": token,
+                            "limit": limit,
+                            "queues": self.queues,
+                            "tasks": tasks,
+                            "g_tasks": g_tasks,
+                            "g_keys": g_keys,
+                            "g_names": [
+                                group_name(t, k) for t, k in zip(g_tasks, g_keys, strict=True)
+                            ],
+                            "lq": lq,
+                            "blocked": blocked,
+                        },
+                    )
+                    rows = await cur.fetchall()
+        self.claims += 1
+        # Round-robin: the next walk starts after the furthest group that gave a job (or,
+        # when none did, after the last one walked).
+        taken = [order[(task, key)] for _, _, task, _, _, _, _, key in rows if key is not None
+                 and (task, key) in order]  # fmt: skip
+        if taken:
+            furthest = max(taken)
+            self._cursor = next(group for group, n in order.items() if n == furthest)
+        elif last is not None:
+            self._cursor = last
+        if wait is not None:
+            self.ready_in(max(wait, 0.001))
+        if busy and len(rows) < limit:
+            self.ready_in(self._busy_retry)
+            self._busy_retry = min(self._busy_retry * 2, self.poll_interval)
+        else:
+            self._busy_retry = LIMIT_BUSY_RETRY
+        return [
+            ClaimedJob(
+                job_id,
+                queue,
+                task,
+                _decode(args)[0],
+                attempt,
+                max_attempts,
+                token,
+                pickup,
+                limited=True,
+            )
+            for job_id, queue, task, args, attempt, max_attempts, pickup, _ in rows
+        ]
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
         token = uuid4()  # this claim's lease token (see claim_jobs)
@@ -195,7 +354,13 @@ class Fetcher:
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.next_ready, params)
             row = await cur.fetchone()
-        return None if row is None or row[0] is None else max(float(row[0]), 0.0)
+        if row is None:
+            return None
+        limited = bool(row[1])
+        if limited and not self.limited:
+            self._limited_dry = False
+        self.limited = limited
+        return None if row[0] is None else max(float(row[0]), 0.0)
 
     def ready_in(self, seconds: float) -> None:
         """A job this worker may claim becomes due in ``seconds`` (a retry it just wrote): wake
@@ -216,16 +381,18 @@ class Fetcher:
             if self._due_at is not None and now >= self._due_at:
                 self._due_at = None
                 maybe_more = True
+                self._refresh()
             want = self.wanted(now)
             if want and (maybe_more or self._notified):
                 if maybe_more and now - self._checked >= DELAYED_CHECK:
                     # Busy (or starting): an idle worker looks after each short claim instead,
                     # off the path of the job that woke it.
                     await self._learn_next_due(loop)
+                    self._refresh()
                 state.wakeup.clear()
                 self._notified = False
                 try:
-                    jobs = await self.claim(want)
+                    jobs = await self.claim_round(want)
                     failures = 0
                 except Exception as exc:
                     failures += 1
@@ -253,6 +420,7 @@ class Fetcher:
             if not woke or loop.time() >= next_poll:
                 next_poll = loop.time() + self.poll_interval
                 maybe_more = True
+                self._refresh()
 
     async def _learn_next_due(self, loop: asyncio.AbstractEventLoop) -> None:
         self._checked = loop.time()
@@ -270,6 +438,7 @@ class Fetcher:
     def notify(self) -> None:
         """Called by the notifier: there is new work in a queue we serve."""
         self._notified = True
+        self._refresh()
         self.state.wakeup.set()
 
     async def _wait(self, stopping: asyncio.Event, timeout: float) -> bool:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from .. import db, producer, stats
+from .. import db, limits, producer, stats
 from ..errors import ConfigurationError, InvalidJobError, PgQueueError
 from ..jobs import MAX_DELAY_SECONDS
 from .completer import Completer
@@ -252,6 +252,7 @@ class Worker:
             poll_interval=self.poll_interval,
             start=self._start,
             wake=self.wake,
+            schema=self.app.schema,
         )
         self.heartbeat = Heartbeat(
             dsn,
@@ -384,6 +385,21 @@ class Worker:
                 },
             )
         self.heartbeat.extended(sent_at)
+        await self._declare_limits(pool)
+
+    async def _declare_limits(
+        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+    ) -> None:
+        """Write the limits this app's tasks declare, and give the waiting jobs of a task
+        limited for the first time their group (they were enqueued before the limit)."""
+        declared = {name: t.limits for name, t in self.app.tasks.items() if t.limits is not None}
+        if not declared:
+            return
+        async with pool.connection() as conn:
+            for name in await limits.declare(conn, self.app.q, declared):
+                stamped = await limits.stamp_waiting(conn, self.app.q, name, declared.get(name))
+                if stamped:
+                    log.info("task %r: %d waiting jobs now count against its limit", name, stamped)
 
     async def _deregister(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
         try:
@@ -613,8 +629,11 @@ class Worker:
         assert self.state is not None
         counters = self.state.counters
         retried: list[str] = []
+        freed: list[str] = []
         for outcome in batch:
             held = self.state.held.pop(key_of(outcome.job_id, outcome.lease_token), None)
+            if held is not None and held.job.limited and outcome.job_id in accepted:
+                freed.append(outcome.queue)  # a slot of its group: others may wait for it
             if outcome.job_id not in accepted:
                 log.warning(
                     "job %d: result refused, the lease was no longer ours (fenced stale write)",
@@ -638,4 +657,6 @@ class Worker:
                 counters.dead += 1
         # Written results free lease budget: the fetcher may claim again.
         self.state.wakeup.set()
-        self.wake(retried)
+        if freed:
+            self.fetcher.slot_freed()
+        self.wake(retried + freed)

@@ -45,6 +45,8 @@ class ClaimedJob:
     max_attempts: int
     lease_token: UUID
     pickup_seconds: float
+    #: Claimed by the limited claim: its end frees a slot or rate that other claims may wait for.
+    limited: bool = False
     key: Key = field(init=False)
 
     def __post_init__(self) -> None:

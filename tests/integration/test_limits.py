@@ -1,0 +1,355 @@
+"""Concurrency limits and rates across every worker, on a real database.
+
+A limit counts running jobs of a group (a queue, a task, a key of a task); a rate counts jobs
+started in the last period, on the database clock. These tests run real workers (in-process,
+and processes for the fleet cases) and check what a user relies on: never more running than
+the limit, nothing lost or stuck, fair turns between keys, starts spaced by the rate, and
+changes made at run time obeyed without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+
+import pgqueue
+from pgqueue.errors import ConfigurationError, InvalidJobError
+from pgqueue.limits import Rate, parse_rate
+from tests.helpers import running_worker, wait_until_async
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+FAST = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 0.5, "reaper_interval": 1.0}
+#: Polling once a minute: a job that starts within seconds was woken, not polled.
+NO_POLL = {**FAST, "poll_interval": 60.0}
+
+
+class Tracker:
+    """Running handlers per group, as the handlers see them (an independent count)."""
+
+    def __init__(self) -> None:
+        self.running: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
+        self.done: list[tuple[str, int]] = []
+        self.starts: list[tuple[str, float]] = []
+
+    async def hold(self, group: str, n: int, seconds: float) -> None:
+        self.running[group] += 1
+        self.peak[group] = max(self.peak[group], self.running[group])
+        self.starts.append((group, time.monotonic()))
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.running[group] -= 1
+        self.done.append((group, n))
+
+
+def statuses(conn: Conn) -> Counter[str]:
+    return Counter(str(r[0]) for r in conn.execute("SELECT status::text FROM pgqueue_jobs"))
+
+
+async def test_a_task_limit_holds_across_workers_and_every_job_runs(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    tracker = Tracker()
+
+    @app.task(limit=2)
+    async def capped(n: int) -> None:
+        await tracker.hold("capped", n, 0.1)
+
+    app.enqueue_many([("capped", {"n": n}) for n in range(20)])
+    async with (
+        running_worker(app, concurrency=10, **FAST),
+        running_worker(app, concurrency=10, **FAST),
+    ):
+        await wait_until_async(lambda: len(tracker.done) == 20, timeout=60)
+    assert tracker.peak["capped"] == 2
+    assert sorted(n for _, n in tracker.done) == list(range(20))
+    assert statuses(conn) == {"succeeded": 20}
+
+
+async def test_jobs_of_a_limited_task_enqueued_one_by_one_and_in_bulk_carry_its_group(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(limit=1, limit_key=lambda args: args["tenant"])
+    async def per_tenant(tenant: str) -> None: ...
+
+    @app.task(limit=3)
+    async def whole(n: int) -> None: ...
+
+    @app.task
+    async def free(n: int) -> None: ...
+
+    per_tenant.enqueue(tenant="a")
+    await per_tenant.enqueue_async(tenant="b")
+    whole.enqueue(n=1)
+    free.enqueue(n=1)
+    app.enqueue_many([("per_tenant", {"tenant": "c"}), ("whole", {"n": 2}), ("free", {"n": 2})])
+    app.enqueue_many([{"task": "per_tenant", "args": {"tenant": "d"}, "queue": "other"}])
+    rows = conn.execute("SELECT task, limit_key FROM pgqueue_jobs ORDER BY id").fetchall()
+    assert rows == [
+        ("per_tenant", "a"), ("per_tenant", "b"), ("whole", ""), ("free", None),
+        ("per_tenant", "c"), ("whole", ""), ("free", None), ("per_tenant", "d"),
+    ]  # fmt: skip
+
+
+async def test_a_per_key_limit_runs_one_job_per_key_and_keys_in_parallel(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    tracker = Tracker()
+
+    @app.task(limit=1, limit_key=lambda args: args["tenant"])
+    async def sync_tenant(tenant: str, n: int) -> None:
+        await tracker.hold(tenant, n, 0.05)
+
+    app.enqueue_many(
+        [("sync_tenant", {"tenant": t, "n": n}) for n in range(6) for t in ("a", "b", "c", "d")]
+    )
+    async with running_worker(app, concurrency=8, **FAST):
+        await wait_until_async(lambda: len(tracker.done) == 24, timeout=60)
+    assert set(tracker.peak.values()) == {1}
+    # Keys run side by side: at some point more than one key had a job running.
+    overlapping = [
+        (g, t) for g, t in tracker.starts if sum(1 for _, s in tracker.starts if abs(s - t) < 0.04) > 1
+    ]
+    assert overlapping
+    assert statuses(conn) == {"succeeded": 24}
+
+
+async def test_a_key_with_few_jobs_is_not_starved_by_a_key_with_many(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Tenant 'big' has 2,000 jobs waiting ahead of tenant 'small''s 5 (older, same priority):
+    with a limit per tenant, 'small' runs right away, not after 'big''s backlog."""
+    order: list[str] = []
+
+    @app.task(limit=2, limit_key=lambda args: args["tenant"])
+    async def work(tenant: str, n: int) -> None:
+        order.append(tenant)
+        await asyncio.sleep(0.01)
+
+    app.enqueue_many([("work", {"tenant": "big", "n": n}) for n in range(2000)])
+    app.enqueue_many([("work", {"tenant": "small", "n": n}) for n in range(5)])
+    async with running_worker(app, concurrency=4, **FAST):
+        await wait_until_async(lambda: order.count("small") == 5, timeout=60)
+    # Two tenants, two slots each: 'small' gets half the turns while it has jobs.
+    assert order.index("small") < 10
+    assert len(order) < 40
+
+
+async def test_a_queue_limit_covers_every_task_in_the_queue_and_can_change_at_run_time(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    tracker = Tracker()
+    release = asyncio.Event()
+
+    @app.task(queue="api")
+    async def one(n: int) -> None:
+        tracker.running["api"] += 1
+        tracker.peak["api"] = max(tracker.peak["api"], tracker.running["api"])
+        try:
+            await release.wait()
+        finally:
+            tracker.running["api"] -= 1
+        tracker.done.append(("api", n))
+
+    @app.task(queue="api", limit=4)
+    async def two(n: int) -> None:
+        await one.func(n)  # type: ignore[arg-type]
+
+    app.limit_queue("api", limit=3)
+    app.enqueue_many([("one", {"n": n}) for n in range(5)] + [("two", {"n": n}) for n in range(5)])
+    async with running_worker(app, concurrency=10, **NO_POLL):
+        await wait_until_async(lambda: tracker.running["api"] == 3, timeout=30)
+        await asyncio.sleep(0.3)
+        assert tracker.running["api"] == 3
+        app.limit_queue("api", limit=6)  # obeyed at once: the workers are woken
+        await wait_until_async(lambda: tracker.running["api"] == 6, timeout=10)
+        app.limit_queue("api", limit=None)
+        await wait_until_async(lambda: tracker.running["api"] == 9, timeout=10)
+        # 'two' still has its own task limit of 4, 'one' none: 5 + 4 = 9 of 10 running.
+        await asyncio.sleep(0.3)
+        assert tracker.running["api"] == 9
+        release.set()
+        await wait_until_async(lambda: len(tracker.done) == 10, timeout=30)
+    assert statuses(conn) == {"succeeded": 10}
+
+
+async def test_a_freed_slot_starts_the_next_job_without_the_poll(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Two workers polling once a minute, limit 1: each job's end wakes the next one."""
+    ends: list[float] = []
+    starts: list[float] = []
+
+    @app.task(limit=1)
+    async def serial(n: int) -> None:
+        starts.append(time.monotonic())
+        await asyncio.sleep(0.05)
+        ends.append(time.monotonic())
+
+    async with (
+        running_worker(app, concurrency=4, **NO_POLL),
+        running_worker(app, concurrency=4, **NO_POLL),
+    ):
+        app.enqueue_many([("serial", {"n": n}) for n in range(6)])
+        await wait_until_async(lambda: len(ends) == 6, timeout=30)
+    assert statuses(conn) == {"succeeded": 6}
+    gaps = [s - e for e, s in zip(ends, starts[1:], strict=False)]
+    assert max(gaps) < 5, gaps  # woken, not polled (the poll is 60 s)
+
+
+async def test_a_rate_spaces_starts_on_the_database_clock_and_jobs_wait_instead_of_failing(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(rate="3/s")
+    async def call_api(n: int) -> None: ...
+
+    app.enqueue_many([("call_api", {"n": n}) for n in range(9)])
+    async with running_worker(app, concurrency=10, **NO_POLL):
+        await wait_until_async(lambda: statuses(conn) == {"succeeded": 9}, timeout=30)
+    claimed = [
+        float(r[0])
+        for r in conn.execute(
+            "SELECT extract(epoch FROM claimed_at) FROM pgqueue_jobs ORDER BY claimed_at"
+        )
+    ]
+    # At most 3 starts in any window of one second, and the 9 took at least two periods.
+    for i in range(len(claimed) - 3):
+        assert claimed[i + 3] - claimed[i] >= 1.0, claimed
+    assert claimed[-1] - claimed[0] >= 2.0
+    attempts = conn.execute("SELECT max(attempts) FROM pgqueue_jobs").fetchone()
+    assert attempts == (1,)
+
+
+async def test_a_rate_per_key_is_kept_for_each_key(app: pgqueue.App, conn: Conn) -> None:
+    @app.task(rate="2/s", limit_key=lambda args: args["account"])
+    async def notify(account: str, n: int) -> None: ...
+
+    app.enqueue_many([("notify", {"account": a, "n": n}) for n in range(4) for a in "xy"])
+    async with running_worker(app, concurrency=10, **NO_POLL):
+        await wait_until_async(lambda: statuses(conn) == {"succeeded": 8}, timeout=30)
+    for account in "xy":
+        claimed = [
+            float(r[0])
+            for r in conn.execute(
+                "SELECT extract(epoch FROM claimed_at) FROM pgqueue_jobs"
+                " WHERE limit_key = %s ORDER BY claimed_at",
+                (account,),
+            )
+        ]
+        assert claimed[2] - claimed[0] >= 1.0 and claimed[3] - claimed[1] >= 1.0, claimed
+
+
+async def test_a_limit_of_zero_holds_a_task_and_unlimited_jobs_still_run(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    ran: list[str] = []
+
+    @app.task(limit=0)
+    async def held() -> None:
+        ran.append("held")
+
+    @app.task
+    async def free() -> None:
+        ran.append("free")
+
+    held.enqueue()
+    free.enqueue()
+    async with running_worker(app, concurrency=4, **FAST):
+        await wait_until_async(lambda: ran == ["free"], timeout=30)
+        await asyncio.sleep(1.0)
+        assert ran == ["free"]
+        app.limit_task("held", limit=1)
+        await wait_until_async(lambda: sorted(ran) == ["free", "held"], timeout=10)
+
+
+async def test_an_operator_limit_survives_a_worker_restart_until_reset(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(limit=4, rate="10/m")
+    async def job() -> None: ...
+
+    async with running_worker(app, **FAST):
+        pass
+    assert [(t.name, t.limit, t.rate, t.overridden) for t in app.task_limits()] == [
+        ("job", 4, Rate(10, 60.0), False)
+    ]
+    app.limit_task("job", limit=1)
+    async with running_worker(app, **FAST):
+        pass
+    assert [(t.limit, t.rate, t.overridden) for t in app.task_limits()] == [
+        (1, Rate(10, 60.0), True)
+    ]
+    assert app.reset_task_limits("job")
+    async with running_worker(app, **FAST):
+        pass
+    assert [(t.limit, t.overridden) for t in app.task_limits()] == [(4, False)]
+
+
+async def test_jobs_enqueued_before_a_limit_existed_obey_it_once_a_worker_declares_it(
+    app: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    app.enqueue_many([("later", {"tenant": t}) for t in "aab"], allow_unknown=True)
+    assert conn.execute("SELECT count(limit_key) FROM pgqueue_jobs").fetchone() == (0,)
+    declared = pgqueue.App(dsn)
+    tracker = Tracker()
+
+    @declared.task(name="later", limit=1, limit_key=lambda args: args["tenant"])
+    async def later(tenant: str) -> None:
+        await tracker.hold(tenant, 0, 0.2)
+
+    try:
+        async with running_worker(declared, concurrency=4, **FAST):
+            await wait_until_async(lambda: len(tracker.done) == 3, timeout=30)
+    finally:
+        declared.close()
+    assert tracker.peak == {"a": 1, "b": 1}
+
+
+async def test_an_app_that_does_not_declare_a_limited_task_still_enqueues_into_its_limit(
+    app: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    app.limit_task("remote", limit=2)
+    app.enqueue("remote", {"n": 1}, allow_unknown=True)
+    app.enqueue_many([("remote", {"n": 2})], allow_unknown=True)
+    assert conn.execute("SELECT limit_key FROM pgqueue_jobs ORDER BY id").fetchall() == [
+        ("",),
+        ("",),
+    ]
+
+
+def test_rates_parse_from_the_usual_spellings() -> None:
+    assert parse_rate("100/m") == Rate(100, 60.0)
+    assert parse_rate("5/s") == Rate(5, 1.0)
+    assert parse_rate("1000/h") == Rate(1000, 3600.0)
+    assert parse_rate("10/5m") == Rate(10, 300.0)
+    assert parse_rate("2/minutes") == Rate(2, 60.0)
+    assert parse_rate((7, 30)) == Rate(7, 30.0)
+    assert str(Rate(100, 60.0)) == "100/m" and str(Rate(10, 300.0)) == "10/5m"
+    for bad in ["100", "0/m", "-1/s", "10/fortnight", "x/m", (1, 0), (0, 5), 3]:
+        with pytest.raises(ConfigurationError):
+            parse_rate(bad)
+
+
+def test_bad_declarations_and_keys_get_clear_errors(app: pgqueue.App) -> None:
+    with pytest.raises(ConfigurationError, match="limit_key needs a limit or a rate"):
+        app.task(limit_key=lambda args: args["x"])(lambda x: None)
+    with pytest.raises(ConfigurationError, match="limit must be a whole number"):
+        app.task(name="neg", limit=-1)(lambda: None)
+    with pytest.raises(ConfigurationError, match="rate"):
+        app.task(name="badrate", rate="lots")(lambda: None)
+
+    @app.task(limit=1, limit_key=lambda args: args["tenant"])
+    def keyed(tenant: str = "") -> None: ...
+
+    with pytest.raises(InvalidJobError, match="limit_key failed"):
+        app.enqueue("keyed", {})
+    with pytest.raises(InvalidJobError, match="job #1: .*limit_key failed"):
+        app.enqueue_many([("keyed", {"tenant": "a"}), ("keyed", {})])
+    with pytest.raises(ConfigurationError, match="give a limit, a rate"):
+        app.limit_queue("q")
