@@ -82,6 +82,21 @@ def test_bench_delayed_compares_claims_with_and_without_delayed_jobs(
     assert run["claim_vs_empty"] == pytest.approx(run["claim_ms"] / run["empty_claim_ms"])
 
 
+@pytest.mark.slow
+def test_bench_limits_compares_limited_drains_with_the_unlimited_one(
+    pg_server: Server, tmp_path: Path
+) -> None:
+    out = bench(pg_server, tmp_path, "--quick", "--reps", "1", "--only", "limits", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert set(report["runs"]["limits"]) == {"pgqueue"}  # the peers and variants do not run it
+    (run,) = report["runs"]["limits"]["pgqueue"]
+    assert run["plain_rate"] > 0 and run["key_rate"] > 0 and run["queue_rate"] > 0
+    assert run["key_vs_plain"] == pytest.approx(run["key_rate"] / run["plain_rate"])
+    assert run["queue_vs_plain"] == pytest.approx(run["queue_rate"] / run["plain_rate"])
+    assert run["key_worker_cpu_per_1k"] > 0
+
+
 def test_bench_peers_need_the_adapters(pg_server: Server, tmp_path: Path) -> None:
     out = bench(pg_server, tmp_path, "--peers", "--peers-dir", "/nonexistent", timeout=60)
     assert out.returncode == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -47,8 +47,18 @@ class PgqueueAdapter:
 
         # The "unique jobs" variant: the same jobs, each with a key of its own (never a duplicate).
         unique = os.environ.get("PGQUEUE_BENCH_UNIQUE") == "1"
+        # The per-key limit of the "limits" workload: one job per key at a time, over this many
+        # keys (``seq`` modulo the count, so consecutive jobs have different keys).
+        keys = int(os.environ.get("PGQUEUE_BENCH_LIMIT_KEYS") or 0)
 
-        @self.app.task(unique=True if unique else None)
+        def limit_key(args: Mapping[str, Any]) -> object:
+            return int(args["seq"]) % keys
+
+        @self.app.task(
+            unique=True if unique else None,
+            limit=1 if keys else None,
+            limit_key=limit_key if keys else None,
+        )
         async def noop(seq: int) -> None:
             self.on_start(seq)
             if self.sleep:

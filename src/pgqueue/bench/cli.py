@@ -48,8 +48,9 @@ def bench_command(
     save: Path | None,
     logs: Path | None,
 ) -> None:
-    """Measure enqueue, processing, pickup latency, steady state, depth and claims beside delayed
-    jobs (with --peers: side by side with the peers, interleaved, medians of 3)."""
+    """Measure enqueue, processing, pickup latency, steady state, depth, claims beside delayed
+    jobs and drains under limits (with --peers: side by side with the peers, interleaved,
+    medians of 3)."""
     try:
         from rich.console import Console
     except ImportError:

@@ -81,6 +81,17 @@ DELAYED = [
     Metric("claim_vs_empty", "claim time vs no delayed jobs", "{:.0%}", LOWER),
     *CPU,
 ]
+LIMITS = [
+    Metric("plain_rate", "jobs/s, no limit", "{:,.0f}", HIGHER),
+    Metric("key_rate", f"jobs/s, limit=1 per key, {workloads.LIMIT_KEYS:,} keys", "{:,.0f}",
+           HIGHER),
+    Metric("key_vs_plain", "per-key limit / no limit (median)", "{:.2f}x", HIGHER),
+    Metric("queue_rate", "jobs/s, queue limit = concurrency", "{:,.0f}", HIGHER),
+    Metric("queue_vs_plain", "queue limit / no limit (median)", "{:.2f}x", HIGHER),
+    *(Metric(f"{prefix}_{metric.key}", f"{metric.label}, {what}", metric.unit, metric.better)
+      for prefix, what in (("plain", "no limit"), ("key", "per key"), ("queue", "queue limit"))
+      for metric in CPU),
+]  # fmt: skip
 LATENCY = [Metric(p, f"{p} ms", "{:.2f}", LOWER) for p in ("p50", "p95", "p99")]
 STEADY = [
     Metric("first_third", "done/s, first third", "{:,.0f}", HIGHER),
@@ -162,6 +173,10 @@ class Plan:
                      "jobs of higher priority, 1 worker", DELAYED,
                      lambda c, s: w.delayed(c, s, p.delayed_ready, p.delayed_jobs, 100),
                      systems="pgqueue"),
+            Workload("limits",
+                     f"processing {p.processing_jobs:,} no-op jobs under limits, 1 worker, "
+                     "concurrency 100", LIMITS,
+                     lambda c, s: w.limits(c, s, p.processing_jobs, 100), systems="pgqueue"),
         ]  # fmt: skip
         if self.only:
             items = [i for i in items if i.key in self.only]

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class Context:
     databases: Databases
     cpu: CpuMeter
     logdir: Path
+    #: Calls of the workloads that rotate the order of their drains (``limits``).
+    turns: int = 0
 
 
 def _scaled(system: System, jobs: int) -> int:
@@ -282,6 +284,62 @@ async def delayed(
         "empty_claim_ms": empty_claim,
         "claim_vs_empty": claim / empty_claim,
     }
+
+
+#: The per-key limit of the ``limits`` workload: ``limit=1`` per key over this many keys.
+LIMIT_KEYS = 1_000
+
+
+async def _drain_limited(
+    ctx: Context, system: System, jobs: int, concurrency: int, limit: str
+) -> dict[str, float | None]:
+    """One burn-down of ``jobs`` no-op jobs by one worker, in a fresh database: without limits
+    (``limit`` "none"), with the task limited to one job per key over ``LIMIT_KEYS`` keys
+    ("key"), or with the queue limited to ``concurrency`` jobs at once ("queue", set through
+    ``App.limit_queue`` after the fill, before the worker starts)."""
+    import pgqueue
+
+    if limit == "key":
+        system = replace(system, env={**system.env, "PGQUEUE_BENCH_LIMIT_KEYS": str(LIMIT_KEYS)})
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        await _fill(ctx, system, dsn, jobs)
+        if limit == "queue":
+            app = pgqueue.App(dsn)
+            try:
+                app.limit_queue(app.default_queue, limit=concurrency)
+            finally:
+                app.close()
+        _vacuum(dsn)
+        return await drain(ctx, system, dsn, jobs, 1, concurrency)
+
+
+async def limits(
+    ctx: Context, system: System, jobs: int, concurrency: int
+) -> dict[str, float | None]:
+    """The same burn-down three ways, each in a fresh database: no limit, ``limit=1`` per key
+    over ``LIMIT_KEYS`` keys, and a queue limit equal to the worker's concurrency (issue 18:
+    each within 15 % of the drain without limits). The order of the three rotates from one
+    repetition to the next; the ratios are each repetition's own (pgqueue only)."""
+    if system.family != "pgqueue":
+        raise ValueError(f"the limits workload runs pgqueue only, not {system.label}")
+    order = ["none", "key", "queue"]
+    turn = ctx.turns % len(order)
+    ctx.turns += 1
+    runs: dict[str, dict[str, float | None]] = {}
+    for limit in order[turn:] + order[:turn]:
+        runs[limit] = await _drain_limited(ctx, system, jobs, concurrency, limit)
+    plain = runs["none"]["rate"]
+    assert plain is not None
+    result: dict[str, float | None] = {}
+    for limit, prefix in (("none", "plain"), ("key", "key"), ("queue", "queue")):
+        for metric, value in runs[limit].items():
+            result[f"{prefix}_{metric}"] = value
+        if limit != "none":
+            rate = runs[limit]["rate"]
+            assert rate is not None
+            result[f"{prefix}_vs_plain"] = rate / plain
+    return result
 
 
 def percentile(values: list[float], q: float) -> float:
