@@ -636,8 +636,11 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- earliest future job of each priority is looked up past them (one descent while nothing is
 -- paused, when a priority's first entry is its answer). The scan beyond 32 priorities still
 -- counts them: filtering there needs the heap, and the planner then reads the whole table; an
--- early wake-up is all they can cost. Jobs only the limited claim may take count like any other
--- (one falling due is worth a look, even if its group is full then).
+-- early wake-up is all they can cost. Jobs only the limited claim may take count while they are
+-- still ahead (one falling due is worth a look), but not in the lookback: a due job whose group
+-- was full at the claim would say "claim again" after every claim for the margin's length, a
+-- burst of claims that find nothing. A limited job that falls due in those milliseconds waits
+-- for the next wake-up: a freed slot, a notification, a rate's refill, or the poll.
 -- The second column says whether the limited claim has anything to do for this worker: jobs
 -- with a limit group wait, or a queue it serves has a limit or a rate (one index probe each).
 WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
@@ -656,6 +659,13 @@ WITH RECURSIVE groups (depth, priority, first_run_at, first_id) AS (
 SELECT extract(epoch FROM least(
     (SELECT min(CASE WHEN g.first_run_at > now() - make_interval(secs => %(lookback)s)
                           AND NOT EXISTS (SELECT FROM {schema}.pgqueue_queues WHERE paused)
+                          AND (g.first_run_at > now() OR NOT EXISTS (
+                                   SELECT FROM {schema}.pgqueue_queues
+                                   WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
+                               ) AND NOT EXISTS (
+                                   SELECT FROM {schema}.pgqueue_jobs
+                                   WHERE status IN ('queued', 'retrying')
+                                         AND limit_key IS NOT NULL))
                      THEN g.first_run_at ELSE (
         SELECT min(f.run_at) FROM {queue_list} AS l(queue) CROSS JOIN LATERAL (
             SELECT run_at FROM {schema}.pgqueue_jobs
@@ -664,6 +674,9 @@ SELECT extract(epoch FROM least(
                   {queue_match}
                   AND queue || '' <> ALL(ARRAY(
                       SELECT name FROM {schema}.pgqueue_queues WHERE paused))
+                  AND (run_at > now() OR limit_key IS NULL AND queue || '' <> ALL(ARRAY(
+                      SELECT name FROM {schema}.pgqueue_queues
+                      WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)))
             ORDER BY run_at LIMIT 1
         ) f
     ) END) FROM groups g WHERE g.depth > 0),

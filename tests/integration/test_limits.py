@@ -10,6 +10,7 @@ changes made at run time obeyed without a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from typing import Any
@@ -353,3 +354,55 @@ def test_bad_declarations_and_keys_get_clear_errors(app: pgqueue.App) -> None:
         app.enqueue_many([("keyed", {"tenant": "a"}), ("keyed", {})])
     with pytest.raises(ConfigurationError, match="give a limit, a rate"):
         app.limit_queue("q")
+
+
+async def test_many_workers_claiming_one_group_at_once_never_exceed_its_limit(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Six workers race for one group of limit 3 with short jobs, so claims and acks of the
+    group overlap all the time: the claim's count (in a snapshot newer than the group's lock)
+    is what holds the limit."""
+    tracker = Tracker()
+
+    @app.task(limit=3)
+    async def tiny(n: int) -> None:
+        await tracker.hold("tiny", n, 0.005)
+
+    app.enqueue_many([("tiny", {"n": n}) for n in range(150)])
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(6):
+            await stack.enter_async_context(running_worker(app, concurrency=4, **FAST))
+        await wait_until_async(lambda: len(tracker.done) == 150, timeout=120)
+    assert tracker.peak["tiny"] <= 3
+    assert statuses(conn) == {"succeeded": 150}
+
+
+async def test_a_worker_waiting_on_a_full_group_or_a_spent_rate_does_not_poll_the_database(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    release = asyncio.Event()
+
+    @app.task(limit=1)
+    async def blocker() -> None:
+        await release.wait()
+
+    @app.task(rate="1/m")
+    async def rare() -> None: ...
+
+    blocker.enqueue()
+    blocker.enqueue()
+    rare.enqueue()
+    rare.enqueue()
+    async with running_worker(app, concurrency=4, **NO_POLL) as worker:
+        await wait_until_async(
+            lambda: statuses(conn) == {"running": 1, "queued": 2, "succeeded": 1}, timeout=30
+        )
+        claims = worker.fetcher.claims
+        await asyncio.sleep(2.0)
+        # A full group and a spent rate cost no claims while nothing changes (busy polling
+        # would be hundreds a second).
+        assert worker.fetcher.claims - claims <= 3
+        release.set()
+        await wait_until_async(
+            lambda: statuses(conn) == {"succeeded": 3, "queued": 1}, timeout=30
+        )
