@@ -43,10 +43,10 @@ async def limited(
     ctx: pgqueue.JobContext, seconds: float = 0.0, first_attempt_seconds: float | None = None
 ) -> int:
     """``work`` under a limit of 2 running jobs across every worker."""
-    return await work.func(ctx, seconds, first_attempt_seconds)  # type: ignore[arg-type]
+    return await work.func(ctx, seconds, first_attempt_seconds)
 
 
 @app.task(max_attempts=10, limit=1, limit_key=lambda args: args["tenant"])
 async def per_tenant(ctx: pgqueue.JobContext, tenant: str, seconds: float = 0.0) -> int:
     """``work`` under a limit of 1 running job per tenant across every worker."""
-    return await work.func(ctx, seconds)  # type: ignore[arg-type]
+    return await work.func(ctx, seconds)

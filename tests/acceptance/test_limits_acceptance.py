@@ -38,15 +38,15 @@ def workers(dsn: str, conn: Conn, tmp_path: Path) -> Iterator[WorkerProcesses]:
         print(procs.output())  # shown by pytest only when the test failed
 
 
-def most_leases_at_once(conn: Conn, where: str = "true") -> dict[str, int]:
+def most_leases_at_once(conn: Conn) -> dict[str, int]:
     """Per limit group (task, key): the most jobs 'running' at any moment, from the log."""
     rows = conn.execute(
         "SELECT j.task || '/' || COALESCE(j.limit_key, '-'),"
         " CASE WHEN t.new_status = 'running' THEN 1 ELSE -1 END"
         " FROM history_transitions t JOIN pgqueue_jobs j ON j.id = t.job_id"
-        " WHERE (t.new_status = 'running') <> (t.old_status = 'running') AND " + where +
+        " WHERE (t.new_status = 'running') <> (t.old_status = 'running')"
         " ORDER BY t.at, t.seq"
-    ).fetchall()  # fmt: skip
+    ).fetchall()
     now: dict[str, int] = {}
     peak: dict[str, int] = {}
     for group, step in rows:
@@ -124,10 +124,12 @@ def test_a_stalled_workers_slot_is_freed_once_by_the_reaper_and_its_late_ack_fre
     finally:
         os.kill(zombie.pid, signal.SIGCONT)
     wait_until(
-        lambda: conn.execute(
-            "SELECT stale_writes >= 1 FROM pgqueue_workers WHERE pid = %s", (zombie.pid,)
-        ).fetchone()
-        == (True,),
+        lambda: (
+            conn.execute(
+                "SELECT stale_writes >= 1 FROM pgqueue_workers WHERE pid = %s", (zombie.pid,)
+            ).fetchone()
+            == (True,)
+        ),
         timeout=30,
     )
     assert most_leases_at_once(conn) == {"limited/": 2}
@@ -136,9 +138,7 @@ def test_a_stalled_workers_slot_is_freed_once_by_the_reaper_and_its_late_ack_fre
     assert rescuer.poll() is None and zombie.poll() is None
 
 
-def test_one_job_per_key_across_processes(
-    dsn: str, conn: Conn, workers: WorkerProcesses
-) -> None:
+def test_one_job_per_key_across_processes(dsn: str, conn: Conn, workers: WorkerProcesses) -> None:
     for _ in range(2):
         workers.start("--concurrency", "6", "--lease", "5")
     registered(conn, 2)

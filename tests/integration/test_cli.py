@@ -183,7 +183,8 @@ def test_missing_tables_say_to_migrate(runner: CliRunner, empty_dsn: str) -> Non
     result = runner.invoke(main, ["status", "--dsn", empty_dsn])
     assert result.exit_code == 1
     assert (
-        result.stderr.strip() == "error: pgqueue's tables are missing or older than this pgqueue: run `pgqueue migrate` first"
+        result.stderr.strip()
+        == "error: pgqueue's tables are missing or older than this pgqueue: run `pgqueue migrate` first"
     )
 
 

@@ -115,7 +115,9 @@ async def test_a_per_key_limit_runs_one_job_per_key_and_keys_in_parallel(
     assert set(tracker.peak.values()) == {1}
     # Keys run side by side: at some point more than one key had a job running.
     overlapping = [
-        (g, t) for g, t in tracker.starts if sum(1 for _, s in tracker.starts if abs(s - t) < 0.04) > 1
+        (g, t)
+        for g, t in tracker.starts
+        if sum(1 for _, s in tracker.starts if abs(s - t) < 0.04) > 1
     ]
     assert overlapping
     assert statuses(conn) == {"succeeded": 24}
@@ -160,7 +162,7 @@ async def test_a_queue_limit_covers_every_task_in_the_queue_and_can_change_at_ru
 
     @app.task(queue="api", limit=4)
     async def two(n: int) -> None:
-        await one.func(n)  # type: ignore[arg-type]
+        await one.func(n)
 
     app.limit_queue("api", limit=3)
     app.enqueue_many([("one", {"n": n}) for n in range(5)] + [("two", {"n": n}) for n in range(5)])
@@ -350,7 +352,7 @@ def test_bad_declarations_and_keys_get_clear_errors(app: pgqueue.App) -> None:
 
     with pytest.raises(InvalidJobError, match="limit_key failed"):
         app.enqueue("keyed", {})
-    with pytest.raises(InvalidJobError, match="job #1: .*limit_key failed"):
+    with pytest.raises(InvalidJobError, match=r"job #1: .*limit_key failed"):
         app.enqueue_many([("keyed", {"tenant": "a"}), ("keyed", {})])
     with pytest.raises(ConfigurationError, match="give a limit, a rate"):
         app.limit_queue("q")
@@ -403,6 +405,4 @@ async def test_a_worker_waiting_on_a_full_group_or_a_spent_rate_does_not_poll_th
         # would be hundreds a second).
         assert worker.fetcher.claims - claims <= 3
         release.set()
-        await wait_until_async(
-            lambda: statuses(conn) == {"succeeded": 3, "queued": 1}, timeout=30
-        )
+        await wait_until_async(lambda: statuses(conn) == {"succeeded": 3, "queued": 1}, timeout=30)

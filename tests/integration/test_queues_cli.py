@@ -91,7 +91,10 @@ def test_unreachable_database_is_one_line_and_exit_code_2(
 def test_missing_tables_say_to_migrate(runner: CliRunner, empty_dsn: str, args: list[str]) -> None:
     result = runner.invoke(main, ["queues", *args, "--dsn", empty_dsn])
     assert result.exit_code == 1
-    assert result.stderr == "error: pgqueue's tables are missing or older than this pgqueue: run `pgqueue migrate` first\n"
+    assert (
+        result.stderr
+        == "error: pgqueue's tables are missing or older than this pgqueue: run `pgqueue migrate` first\n"
+    )
 
 
 def test_limit_and_rate_a_queue_and_a_task_at_run_time(
