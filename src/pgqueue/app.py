@@ -636,6 +636,32 @@ class App:
         settings = limits.check_settings(limit, rate)
         self._sync_pool().run(lambda conn: limits.set_task(conn, self.q, task, settings))
 
+    async def limit_queue_async(
+        self,
+        name: str,
+        *,
+        limit: int | limits.Unset | None = limits.UNSET,
+        rate: RateSpec | limits.Rate | limits.Unset | None = limits.UNSET,
+    ) -> None:
+        """``limit_queue`` for async code."""
+        queue = queues.check_queue(name)
+        settings = limits.check_settings(limit, rate)
+        pool = await self._async_pool()
+        await pool.run(lambda conn: limits.set_queue_async(conn, self.q, queue, settings))
+
+    async def limit_task_async(
+        self,
+        name: str,
+        *,
+        limit: int | limits.Unset | None = limits.UNSET,
+        rate: RateSpec | limits.Rate | limits.Unset | None = limits.UNSET,
+    ) -> None:
+        """``limit_task`` for async code."""
+        task = _declared(producer.check_name, "task", name, producer.MAX_TASK_LENGTH)
+        settings = limits.check_settings(limit, rate)
+        pool = await self._async_pool()
+        await pool.run(lambda conn: limits.set_task_async(conn, self.q, task, settings))
+
     def reset_task_limits(self, name: str) -> bool:
         """Drop an operator's values for task ``name``: the code's apply again from the next
         worker start. False if none were set."""

@@ -255,6 +255,25 @@ def set_task(
     conn.execute(q.wake_waiting_workers, {"queues": queues})
 
 
+async def set_queue_async(
+    conn: psycopg.AsyncConnection[Any], q: Queries, name: str, settings: dict[str, Any]
+) -> None:
+    await conn.execute(q.set_queue_limits, {"name": name, **settings})
+    await conn.execute(q.wake_waiting_workers, {"queues": [name]})
+
+
+async def set_task_async(
+    conn: psycopg.AsyncConnection[Any], q: Queries, name: str, settings: dict[str, Any]
+) -> None:
+    cur = await conn.execute(q.set_task_limits, {"name": name, **settings})
+    row = await cur.fetchone()
+    if row is not None and row[1]:
+        await stamp_waiting(conn, q, name, None)
+    cur = await conn.execute(q.served_queues)
+    queues = [str(r[0]) for r in await cur.fetchall()]
+    await conn.execute(q.wake_waiting_workers, {"queues": queues})
+
+
 def reset_task(conn: psycopg.Connection[Any], q: Queries, name: str) -> bool:
     return conn.execute(q.reset_task_limits, {"name": name}).fetchone() is not None
 

@@ -267,8 +267,10 @@ async def test_a_limit_of_zero_holds_a_task_and_unlimited_jobs_still_run(
         await wait_until_async(lambda: ran == ["free"], timeout=30)
         await asyncio.sleep(1.0)
         assert ran == ["free"]
-        app.limit_task("held", limit=1)
+        await app.limit_task_async("held", limit=1)
         await wait_until_async(lambda: sorted(ran) == ["free", "held"], timeout=10)
+    await app.limit_queue_async("q", rate="1/s")
+    assert [(q.name, str(q.rate)) for q in app.queue_limits()] == [("q", "1/s")]
 
 
 async def test_an_operator_limit_survives_a_worker_restart_until_reset(
