@@ -66,7 +66,9 @@ class Reaper:
         self.state.counters.reaped += len(rows)
         if rows:
             self.state.wakeup.set()
-            self.wake([str(queue) for _, status, _, queue in rows if status == "retrying"])
+            # A retrying job is work again; any reaped job freed a slot of its limit groups, for
+            # which other jobs of its queue may wait (concepts/limits.md).
+            self.wake([str(queue) for _, _, _, queue in rows])
         return len(rows)
 
     async def prune(self) -> int:
