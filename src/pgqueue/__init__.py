@@ -10,9 +10,13 @@ from .errors import (
     DatabaseUnavailableError,
     Fail,
     InvalidJobError,
+    JobCancelledError,
+    JobFailedError,
+    JobNotFoundError,
     PgQueueError,
     Retry,
     UnknownTaskError,
+    WaitTimeoutError,
 )
 from .jobs import Enqueued, Job, Status
 from .tasks import Task
@@ -31,11 +35,15 @@ __all__ = [
     "Fail",
     "InvalidJobError",
     "Job",
+    "JobCancelledError",
     "JobContext",
+    "JobFailedError",
+    "JobNotFoundError",
     "PgQueueError",
     "Retry",
     "Status",
     "Task",
     "UnknownTaskError",
+    "WaitTimeoutError",
     "__version__",
 ]

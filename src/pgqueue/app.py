@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from . import db, limits, pools, producer, queues, schedules
+from . import db, limits, pools, producer, queues, results, schedules
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
@@ -559,6 +559,24 @@ class App:
         )
         return Job.from_row(row) if row else None
 
+    def wait(self, job_id: int, timeout: float | None = None) -> Any:
+        """Block until job ``job_id`` finishes and return its result (the handler's return
+        value, as stored JSON). Raises ``JobFailedError`` if it ends dead (with its last error),
+        ``JobCancelledError`` if cancelled, ``WaitTimeoutError`` after ``timeout`` seconds (the
+        job goes on), ``JobNotFoundError`` for an unknown id. Woken by the worker's announcement
+        of the job's end, not by polling (concepts/results.md)."""
+        return results.wait(
+            self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
+            _timeout(timeout),
+        )  # fmt: skip
+
+    async def wait_async(self, job_id: int, timeout: float | None = None) -> Any:
+        """``wait`` for async code."""
+        return await results.wait_async(
+            self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
+            _timeout(timeout),
+        )  # fmt: skip
+
     def requeue(self, job_id: int) -> bool:
         """Run a dead or cancelled job again, with a fresh set of attempts."""
         return self._sync_pool().run(
@@ -700,6 +718,20 @@ class App:
     def run_worker(self, **options: Any) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT (see ``Worker`` for options)."""
         self.worker(**options).run_sync()
+
+
+def _job_id(job_id: object) -> int:
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 1:
+        raise InvalidJobError(f"a job id is a positive integer, got {job_id!r}")
+    return int(job_id)
+
+
+def _timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+        raise ConfigurationError(f"timeout must be a number of seconds from 0, got {timeout!r}")
+    return float(timeout)
 
 
 def _declared(check: Callable[..., R], *args: Any) -> R:

@@ -72,6 +72,11 @@ def channel_for(schema: str) -> str:
     return "pgqueue" if schema == "public" else f"pgqueue_{schema}"
 
 
+def done_channel_for(schema: str) -> str:
+    """The channel on which finished jobs are announced to ``App.wait`` (63 bytes at most)."""
+    return f"{channel_for(schema)}_done"
+
+
 def describe_dsn(dsn: str) -> str:
     """host:port/dbname for messages, never the password."""
     try:

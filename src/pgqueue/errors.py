@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from .jobs import MAX_DELAY_SECONDS
 
@@ -21,6 +22,30 @@ class InvalidJobError(PgQueueError, ValueError):
 
 class UnknownTaskError(PgQueueError, LookupError):
     """A task name that this app has not registered."""
+
+
+class JobNotFoundError(PgQueueError, LookupError):
+    """No job has this id: it never existed, or it finished and was pruned."""
+
+
+class JobFailedError(PgQueueError):
+    """``App.wait``: the job ended ``dead``; ``job`` holds it, with its last error."""
+
+    def __init__(self, message: str, job: Any) -> None:
+        super().__init__(message)
+        self.job = job
+
+
+class JobCancelledError(PgQueueError):
+    """``App.wait``: the job was cancelled; ``job`` holds it."""
+
+    def __init__(self, message: str, job: Any) -> None:
+        super().__init__(message)
+        self.job = job
+
+
+class WaitTimeoutError(PgQueueError, TimeoutError):
+    """``App.wait``: the job had not finished when the timeout ran out (it goes on)."""
 
 
 class DatabaseUnavailableError(PgQueueError):

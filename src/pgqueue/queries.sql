@@ -142,11 +142,15 @@ WITH requeued AS (
 SELECT pg_notify({channel}, queue) FROM requeued
 
 -- name: cancel_job
--- Only jobs nobody holds: a running job is never yanked from under its handler.
-UPDATE {schema}.pgqueue_jobs
-SET status = 'cancelled', finished_at = now()
-WHERE id = %(id)s AND status IN ('queued', 'retrying')
-RETURNING id
+-- Only jobs nobody holds: a running job is never yanked from under its handler. Waiters for
+-- its result hear of it at commit.
+WITH cancelled AS (
+    UPDATE {schema}.pgqueue_jobs
+    SET status = 'cancelled', finished_at = now()
+    WHERE id = %(id)s AND status IN ('queued', 'retrying')
+    RETURNING id
+)
+SELECT id, pg_notify({done_channel}, id::text) FROM cancelled
 
 -- name: status_counts
 SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
@@ -692,6 +696,8 @@ SELECT extract(epoch FROM least(
                         {limited_queue_match})
 
 -- name: complete_jobs
+-- The second column says whether anyone waits for results (App.wait: notify_finished), one
+-- look per statement (an InitPlan).
 -- Batched acks, fenced per job: a row changes only while it still carries the lease token this
 -- worker got when it claimed it. Rows missing from RETURNING were lost (reaped, re-claimed or
 -- cancelled) and the stale result is dropped. The token stays on the finished row (only a new
@@ -729,7 +735,24 @@ FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delay
      AS a(id, token, status, delay, error, result, run_seconds)
 WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running'
   AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL {lock_filter}
-RETURNING j.id
+RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
+                             THEN NOT pg_advisory_unlock(hashtext({channel}), 3)
+                             ELSE true END)
+
+-- name: notify_finished
+-- Jobs that reached a final state (succeeded, dead, cancelled), announced to whoever waits for
+-- results (App.wait) on the done channel: ids, comma-separated. Only while someone waits (a
+-- waiter holds advisory lock 3 of the channel, shared, like the waiting workers of migration
+-- 0004 hold lock 1); complete_jobs' second column says so for its batch, so a worker with nobody
+-- waiting never sends this. The jobs are committed before it is sent.
+SELECT pg_notify({done_channel}, %(ids)s)
+WHERE NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
+                       THEN pg_advisory_unlock(hashtext({channel}), 3)
+                       ELSE false END)
+
+-- name: announce_result_wait
+-- A waiter for results says so on its LISTEN connection, for as long as it waits.
+SELECT pg_advisory_lock_shared(hashtext({channel}), 3)
 
 -- name: applied_completions
 -- Only after an ack write went wrong: which of these acks are already in (the connection was

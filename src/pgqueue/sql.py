@@ -13,7 +13,7 @@ from importlib import resources
 
 from psycopg import sql
 
-from .db import channel_for, validate_schema
+from .db import channel_for, done_channel_for, validate_schema
 
 _SECTION = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
@@ -24,6 +24,7 @@ def render(text: str, schema: str, **fragments: str) -> bytes:
     names = {
         "schema": sql.Identifier(validate_schema(schema)),
         "channel": sql.Literal(channel_for(schema)),
+        "done_channel": sql.Literal(done_channel_for(schema)),
     }
     composed = sql.SQL(text).format(
         **names,
@@ -135,6 +136,8 @@ class Queries:
     next_ready_at_in_queues: bytes
     complete_jobs: bytes
     complete_jobs_skip_locked: bytes
+    notify_finished: bytes
+    announce_result_wait: bytes
     applied_completions: bytes
     release_leases: bytes
     extend_leases: bytes

@@ -100,6 +100,8 @@ class Completer:
         self._uncertain = False
         self._failures = 0
         self.writes = 0
+        #: The last write said someone waits for results (complete_jobs' second column).
+        self.awaited = False
 
     def submit(self, outcome: Outcome) -> None:
         self.pending.append(outcome)
@@ -254,7 +256,10 @@ class Completer:
                 # A row locked by someone else: write around it (module docstring).
                 skip_locked = True
                 cur = await conn.execute(self.q.complete_jobs_skip_locked, params)
-        accepted = {int(row[0]) for row in await cur.fetchall()}
+        rows = await cur.fetchall()
+        accepted = {int(row[0]) for row in rows}
+        # Someone waits for results (App.wait): the runtime announces the finished jobs.
+        self.awaited = bool(rows and rows[0][1])
         self.writes += 1
         missing = [o for o in batch if o.job_id not in accepted]
         busy: set[int] = set()

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,8 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 _STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
+#: Job ids per NOTIFY of finished jobs (a payload stays well under PostgreSQL's 8,000 bytes).
+ANNOUNCE_CHUNK = 400
 
 
 class Worker:
@@ -512,6 +514,22 @@ class Worker:
         self._wakes.add(task)
         task.add_done_callback(self._wakes.discard)
 
+    def _background(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    async def _announce(self, job_ids: list[int]) -> None:
+        """Tell waiters for results (App.wait) that these jobs finished; they also look on
+        their own every few seconds, so a failure here costs them latency only."""
+        try:
+            async with self.pool.connection() as conn:
+                for start in range(0, len(job_ids), ANNOUNCE_CHUNK):
+                    ids = ",".join(map(str, job_ids[start : start + ANNOUNCE_CHUNK]))
+                    await conn.execute(self.app.q.notify_finished, {"ids": ids})
+        except Exception as exc:
+            log.debug("could not announce finished jobs (%s); waiters will look", exc)
+
     async def _wake(self, queues: list[str]) -> None:
         try:
             async with self.pool.connection() as conn:
@@ -630,6 +648,10 @@ class Worker:
         counters = self.state.counters
         retried: list[str] = []
         freed: list[str] = []
+        final: list[int] = []
+        # Written by the handler's own transaction: announced whether or not anyone waits
+        # (notify_finished checks); else only when the completer's write said someone does.
+        announce = self.completer.awaited or any(o.written is not None for o in batch)
         for outcome in batch:
             held = self.state.held.pop(key_of(outcome.job_id, outcome.lease_token), None)
             if held is not None and held.job.limited and outcome.job_id in accepted:
@@ -647,6 +669,8 @@ class Worker:
                 continue
             kind = _STATS_KIND[outcome.status.value]
             self.recorder.record(outcome.queue, kind, outcome.pickup_seconds, outcome.run_seconds)
+            if announce and outcome.status.value != "retrying":
+                final.append(outcome.job_id)
             if outcome.status.value == "succeeded":
                 counters.succeeded += 1
             elif outcome.status.value == "retrying":
@@ -660,3 +684,5 @@ class Worker:
         if freed:
             self.fetcher.slot_freed()
         self.wake(retried + freed)
+        if final:
+            self._background(self._announce(final), "announce")
