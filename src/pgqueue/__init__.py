@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .app import App
 from .backoff import Backoff
-from .context import JobContext
+from .context import CancelledByRequest, JobContext
 from .errors import (
     ConfigurationError,
     DatabaseUnavailableError,
@@ -18,7 +18,7 @@ from .errors import (
     UnknownTaskError,
     WaitTimeoutError,
 )
-from .jobs import Enqueued, Job, Status
+from .jobs import CancelResult, Enqueued, Job, Status
 from .tasks import Task
 
 try:
@@ -29,6 +29,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "App",
     "Backoff",
+    "CancelResult",
+    "CancelledByRequest",
     "ConfigurationError",
     "DatabaseUnavailableError",
     "Enqueued",

@@ -15,8 +15,8 @@ import psycopg
 from . import db, limits, pools, producer, queues, results, schedules
 from . import unique as uniqueness
 from .backoff import Backoff
-from .errors import ConfigurationError, InvalidJobError, UnknownTaskError
-from .jobs import Enqueued, Job
+from .errors import ConfigurationError, InvalidJobError, JobNotFoundError, UnknownTaskError
+from .jobs import CancelResult, Enqueued, Job
 from .limits import LimitKey, RateSpec, TaskLimits
 from .migrate import migrate as apply_migrations
 from .schedules import DEFAULT_MAX_CATCHUP, Schedule, declare
@@ -583,11 +583,27 @@ class App:
             lambda conn: conn.execute(self.q.requeue_job, {"id": job_id}).fetchone() is not None
         )
 
-    def cancel(self, job_id: int) -> bool:
-        """Cancel a job that is not running yet (queued or waiting to retry)."""
-        return self._sync_pool().run(
-            lambda conn: conn.execute(self.q.cancel_job, {"id": job_id}).fetchone() is not None
+    def cancel(self, job_id: int) -> CancelResult:
+        """Cancel a job: a waiting one at once (``"cancelled"``), a running one by asking its
+        worker to stop it (``"cancel requested"``; it ends cancelled, never retried), a finished
+        one not at all (``"already finished"``, false in a boolean context). Raises
+        ``JobNotFoundError`` for an unknown id (concepts/cancellation.md)."""
+        job = _job_id(job_id)
+        row = self._sync_pool().run(
+            lambda conn: conn.execute(self.q.cancel_job, {"id": job}).fetchone()
         )
+        return _cancel_result(job, row)
+
+    async def cancel_async(self, job_id: int) -> CancelResult:
+        """``cancel`` for async code."""
+        job = _job_id(job_id)
+        pool = await self._async_pool()
+
+        async def run(conn: psycopg.AsyncConnection[Any]) -> Any:
+            cur = await conn.execute(self.q.cancel_job, {"id": job})
+            return await cur.fetchone()
+
+        return _cancel_result(job, await pool.run(run))
 
     def status_counts(self) -> list[tuple[str, str, int]]:
         rows = self._sync_pool().run(
@@ -718,6 +734,15 @@ class App:
     def run_worker(self, **options: Any) -> None:
         """Run a worker in this thread until SIGTERM/SIGINT (see ``Worker`` for options)."""
         self.worker(**options).run_sync()
+
+
+def _cancel_result(job_id: int, row: Any) -> CancelResult:
+    if row is None:
+        raise JobNotFoundError(f"no job {job_id}: it never existed, or it finished and was pruned")
+    was = str(row[0])
+    if was == "running":
+        return CancelResult.REQUESTED
+    return CancelResult.CANCELLED if was in ("queued", "retrying") else CancelResult.FINISHED
 
 
 def _job_id(job_id: object) -> int:

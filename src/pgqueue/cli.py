@@ -22,6 +22,7 @@ from .bench.cli import bench_command
 from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
+from .jobs import CancelResult
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
 from .producer import MAX_NESTING
 from .schedules_cli import schedules_command
@@ -217,11 +218,16 @@ def requeue(job_id: int, dsn: str | None, schema: str) -> None:
 @db_options
 @friendly_errors
 def cancel(job_id: int, dsn: str | None, schema: str) -> None:
-    """Cancel a job that is not running yet."""
-    if not make_app(dsn, schema).cancel(job_id):
-        click.echo(f"error: job {job_id} does not exist or is not queued or retrying", err=True)
+    """Cancel a job: a waiting one at once, a running one by asking its worker to stop it (it
+    then ends cancelled, never retried)."""
+    result = make_app(dsn, schema).cancel(job_id)
+    if result is CancelResult.FINISHED:
+        click.echo(f"error: job {job_id} had already finished", err=True)
         sys.exit(1)
-    click.echo(f"job {job_id} cancelled")
+    if result is CancelResult.REQUESTED:
+        click.echo(f"job {job_id}: cancel requested (it is running; its worker stops it)")
+    else:
+        click.echo(f"job {job_id} cancelled")
 
 
 @main.command()

@@ -12,6 +12,15 @@ def _no_lease() -> float:
     return 0.0
 
 
+def _not_cancelled() -> bool:
+    return False
+
+
+class CancelledByRequest(Exception):
+    """Raised by ``JobContext.check_cancelled()`` once someone asked to cancel the job: the
+    attempt ends 'cancelled' whatever the handler raises from then on."""
+
+
 @dataclass(slots=True)
 class JobContext:
     """The attempt a handler is running: which job, which try, and until when its lease holds."""
@@ -25,6 +34,19 @@ class JobContext:
     worker_id: UUID
     #: The worker's lease deadline on its monotonic clock (what ``lease_deadline`` converts).
     _lease_deadline: Callable[[], float] = field(default=_no_lease, repr=False, compare=False)
+    _cancelled: Callable[[], bool] = field(default=_not_cancelled, repr=False, compare=False)
+
+    @property
+    def cancelled(self) -> bool:
+        """True once someone asked to cancel this job (``App.cancel`` while it runs). An async
+        handler is cancelled at its next ``await``; a sync one cannot be interrupted, so a long
+        one should look here (or call ``check_cancelled``) between steps."""
+        return self._cancelled()
+
+    def check_cancelled(self) -> None:
+        """Raise ``CancelledByRequest`` if someone asked to cancel this job."""
+        if self._cancelled():
+            raise CancelledByRequest(f"job {self.job_id}: cancel requested")
 
     @property
     def lease_deadline(self) -> float:

@@ -66,6 +66,22 @@ class Job:
         return cls(*values)
 
 
+class CancelResult(enum.StrEnum):
+    """What ``App.cancel`` did. True in a boolean context unless the job had already finished."""
+
+    #: The job was waiting (queued or retrying): it is cancelled now and will never run.
+    CANCELLED = "cancelled"
+    #: The job was running: its worker stops the attempt (an async handler is cancelled, a sync
+    #: one abandoned) and the job ends cancelled, never retried; a success that its handler
+    #: wrote first still stands.
+    REQUESTED = "cancel requested"
+    #: The job had already succeeded, died or been cancelled: nothing changed.
+    FINISHED = "already finished"
+
+    def __bool__(self) -> bool:
+        return self is not CancelResult.FINISHED
+
+
 class Enqueued(int):
     """What ``enqueue`` returns: a job id (an ``int``, usable wherever the id was), and what
     happened. ``duplicate``: a job with the same unique key already held it, and this is that

@@ -142,15 +142,29 @@ WITH requeued AS (
 SELECT pg_notify({channel}, queue) FROM requeued
 
 -- name: cancel_job
--- Only jobs nobody holds: a running job is never yanked from under its handler. Waiters for
--- its result hear of it at commit.
-WITH cancelled AS (
-    UPDATE {schema}.pgqueue_jobs
-    SET status = 'cancelled', finished_at = now()
-    WHERE id = %(id)s AND status IN ('queued', 'retrying')
-    RETURNING id
+-- A waiting job is cancelled here; a running one is only marked (cancel_requested_at): its
+-- worker stops the attempt and writes 'cancelled' itself, fenced like any ack, so a success
+-- that lands first wins and nothing is yanked from under a handler that is still running. The
+-- worker hears of it by NOTIFY ('cancel,' and the id: no queue name has a comma), or at its next
+-- heartbeat if that is lost; a crashed worker's job is cancelled by the reaper instead of
+-- retried. Waiters for a cancelled job's result hear of it at commit. Returns the status the job
+-- had (no row: no such job).
+WITH target AS (
+    SELECT id, status::text AS was FROM {schema}.pgqueue_jobs WHERE id = %(id)s FOR UPDATE
+), changed AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = CASE WHEN t.was = 'running' THEN j.status ELSE 'cancelled' END,
+        finished_at = CASE WHEN t.was = 'running' THEN j.finished_at ELSE now() END,
+        cancel_requested_at = now()
+    FROM target t
+    WHERE j.id = t.id AND t.was IN ('queued', 'retrying', 'running')
+    RETURNING j.id
 )
-SELECT id, pg_notify({done_channel}, id::text) FROM cancelled
+SELECT t.was, CASE WHEN t.was IN ('queued', 'retrying')
+                   THEN pg_notify({done_channel}, t.id::text)
+                   WHEN t.was = 'running' THEN pg_notify({channel}, 'cancel,' || t.id) END,
+       (SELECT count(*) FROM changed)
+FROM target t
 
 -- name: status_counts
 SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
@@ -721,10 +735,12 @@ SELECT extract(epoch FROM least(
 -- state, so it is safe behind a transaction-pooling PgBouncer. The scalar subquery is evaluated
 -- once, at the first candidate row, before any row is locked.
 UPDATE {schema}.pgqueue_jobs j
-SET status = a.status::{schema}.pgqueue_status,
-    run_at = CASE WHEN a.status = 'retrying'
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL AND a.status <> 'succeeded'
+                  THEN 'cancelled' ELSE a.status END::{schema}.pgqueue_status,
+    run_at = CASE WHEN a.status = 'retrying' AND j.cancel_requested_at IS NULL
                   THEN statement_timestamp() + make_interval(secs => a.delay) ELSE j.run_at END,
-    finished_at = CASE WHEN a.status = 'retrying' THEN NULL ELSE statement_timestamp() END,
+    finished_at = CASE WHEN a.status = 'retrying' AND j.cancel_requested_at IS NULL THEN NULL
+                       ELSE statement_timestamp() END,
     started_at = greatest(j.claimed_at,
                           statement_timestamp() - make_interval(secs => a.run_seconds)),
     last_error = COALESCE(a.error, j.last_error),
@@ -786,7 +802,8 @@ RETURNING j.id, j.queue
 -- the worker's row if a reaper pruned it during a long stall. Job rows are only read, never
 -- locked or written, so a heartbeat never waits on a job's row lock and never conflicts with a
 -- handler's own transaction. It returns the jobs the worker holds that are no longer its own
--- (reaped, or taken by hand): one primary-key probe each.
+-- (reaped, or taken by hand; third column false), and those still its own that someone asked
+-- to cancel (true): one primary-key probe each.
 WITH worker AS (
     INSERT INTO {schema}.pgqueue_workers AS w
         (id, host, pid, queues, concurrency, lease_expires_at)
@@ -796,10 +813,11 @@ WITH worker AS (
     SET last_heartbeat_at = now(), lease_expires_at = EXCLUDED.lease_expires_at,
         stale_writes = w.stale_writes + %(stale_writes)s
 )
-SELECT h.id, h.token
+SELECT h.id, h.token, j.id IS NOT NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS h(id, token)
-WHERE NOT EXISTS (SELECT FROM {schema}.pgqueue_jobs j
-                  WHERE j.id = h.id AND j.lease_token = h.token AND j.status::text = 'running')
+LEFT JOIN {schema}.pgqueue_jobs j
+       ON j.id = h.id AND j.lease_token = h.token AND j.status::text = 'running'
+WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
 
 -- name: untracked_jobs
 -- Jobs running under this worker's lease that it does not track (only a bug can leave one; jobs
@@ -841,14 +859,17 @@ DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 -- its snapshot and before locking it, the window in which a completion, a new claim or an
 -- extension can land; the fault suite's reaper_race scenario plays every one of them there.
 UPDATE {schema}.pgqueue_jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                  WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
              ::{schema}.pgqueue_status,
-    run_at = CASE WHEN j.attempts >= j.max_attempts THEN j.run_at
+    run_at = CASE WHEN j.attempts >= j.max_attempts OR j.cancel_requested_at IS NOT NULL
+                  THEN j.run_at
                   ELSE now() + make_interval(secs => random() * least(
                       %(backoff_cap)s::float8,
                       %(backoff_base)s::float8 * power(2, greatest(j.attempts - 1, 0))))
              END,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts OR j.cancel_requested_at IS NOT NULL
+                       THEN now() END,
     last_error = 'LeaseExpired: worker ' || COALESCE(j.worker_id::text, '?')
                  || ' no longer held its lease on this attempt (it crashed, stalled, lost its'
                  || ' connection or gave the attempt up)',

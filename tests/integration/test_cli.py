@@ -152,7 +152,7 @@ def test_enqueue_job_status_cancel_requeue(runner: CliRunner, dsn: str, conn: Co
     cancelled = run(runner, "cancel", str(job_id), "--dsn", dsn)
     assert cancelled.exit_code == 0 and cancelled.output.strip() == f"job {job_id} cancelled"
     again = runner.invoke(main, ["cancel", str(job_id), "--dsn", dsn])
-    assert again.exit_code == 1 and "is not queued or retrying" in again.output
+    assert again.exit_code == 1 and "had already finished" in again.output
 
     requeued = run(runner, "requeue", str(job_id), "--dsn", dsn)
     assert requeued.exit_code == 0 and requeued.output.strip() == f"job {job_id} requeued"

@@ -309,19 +309,30 @@ def test_requeue_refuses_jobs_that_are_not_dead_or_cancelled(
 def test_cancel_stops_a_job_not_yet_running(app: pgqueue.App, conn: Conn, status: str) -> None:
     job_id = app.enqueue("t", {}, allow_unknown=True)
     _set_status(conn, job_id, status)
-    assert app.cancel(job_id) is True
+    assert app.cancel(job_id) == "cancelled"
     job = app.get_job(job_id)
     assert job is not None and job.status == Status.CANCELLED and job.finished_at is not None
 
 
-@pytest.mark.parametrize("status", ["running", "succeeded", "dead", "cancelled"])
-def test_cancel_refuses_running_or_finished_jobs(app: pgqueue.App, conn: Conn, status: str) -> None:
+@pytest.mark.parametrize("status", ["succeeded", "dead", "cancelled"])
+def test_cancel_leaves_finished_jobs_alone(app: pgqueue.App, conn: Conn, status: str) -> None:
     job_id = app.enqueue("t", {}, allow_unknown=True)
     _set_status(conn, job_id, status)
-    assert app.cancel(job_id) is False
+    result = app.cancel(job_id)
+    assert result == "already finished" and not result
     job = app.get_job(job_id)
     assert job is not None and job.status == status
-    assert app.cancel(job_id + 1000) is False
+    with pytest.raises(pgqueue.JobNotFoundError):
+        app.cancel(job_id + 1000)
+
+
+def test_cancel_asks_for_a_running_job_to_be_stopped(app: pgqueue.App, conn: Conn) -> None:
+    job_id = app.enqueue("t", {}, allow_unknown=True)
+    _set_status(conn, job_id, "running")
+    result = app.cancel(job_id)
+    assert result == "cancel requested" and result
+    job = app.get_job(job_id)
+    assert job is not None and job.status == "running"  # its worker ends it
 
 
 def test_status_counts_per_queue_and_status(app: pgqueue.App, conn: Conn) -> None:

@@ -133,10 +133,12 @@ async def test_nobody_waiting_means_no_announcements(app: pgqueue.App, conn: Con
     app.enqueue_many([("quick", {"n": n}) for n in range(20)])
     async with running_worker(app, **NO_POLL):
         await wait_until_async(
-            lambda: conn.execute(
-                "SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'"
-            ).fetchone()
-            == (20,),
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'"
+                ).fetchone()
+                == (20,)
+            ),
             timeout=30,
         )
         await asyncio.sleep(0.3)

@@ -215,6 +215,7 @@ class Executor:
             lease_token=job.lease_token,
             worker_id=self.worker_id,
             _lease_deadline=lease_deadline,
+            _cancelled=lambda: job.cancel_asked,
         )
 
     async def run(
@@ -240,8 +241,17 @@ class Executor:
         outcome.written = written
         return outcome
 
+    def cancelled(self, job: ClaimedJob, started: float) -> Outcome:
+        """The outcome of an attempt stopped because someone asked to cancel the job."""
+        return self._outcome(
+            job, started, Status.CANCELLED, None, "Cancelled: cancel requested while it ran"
+        )
+
     def failure(self, job: ClaimedJob, started: float, exc: BaseException) -> Outcome:
-        """The outcome of an attempt that raised ``exc``: a retry, or dead."""
+        """The outcome of an attempt that raised ``exc``: a retry, or dead (cancelled, once
+        someone asked to cancel the job: whatever it raised then is the cancellation's)."""
+        if job.cancel_asked:
+            return self.cancelled(job, started)
         if isinstance(exc, Retry):
             return self._retry(job, started, exc.after, exc)
         if isinstance(exc, Fail):

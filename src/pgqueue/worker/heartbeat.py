@@ -58,6 +58,7 @@ class Heartbeat:
         lease: float,
         interval: float,
         on_lost: Callable[[Held], None],
+        on_cancel: Callable[[Held], None] = lambda held: None,
         connect_kwargs: dict[str, Any],
     ) -> None:
         self.dsn = dsn
@@ -68,6 +69,7 @@ class Heartbeat:
         self.lease = lease
         self.interval = interval
         self.on_lost = on_lost
+        self.on_cancel = on_cancel
         self.connect_kwargs = connect_kwargs
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self._connecting = asyncio.Lock()
@@ -134,9 +136,11 @@ class Heartbeat:
         state.counters.stale_unreported -= stale
         self.beats += 1
         self.extended(sent_at)
-        for job_id, token in lost:
+        for job_id, token, ours in lost:
             h = state.held.get(key_of(int(job_id), token))
-            if h is not None and h.phase in _WAITING_OR_RUNNING:
+            if h is not None and ours:
+                self.on_cancel(h)  # still ours, but someone asked to cancel it
+            elif h is not None and h.phase in _WAITING_OR_RUNNING:
                 log.warning("job %d: lease lost (reaped or taken over); abandoning it", job_id)
                 self.on_lost(h)
         if self._abandoned:

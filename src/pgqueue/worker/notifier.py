@@ -28,6 +28,9 @@ log = logging.getLogger("pgqueue.worker.notifier")
 
 #: First re-check of unsettled producers after announcing; it doubles up to the poll interval or
 #: SETTLE_RECHECK_MAX, whichever is shorter (a long producer transaction costs a claim a second).
+#: A notification that asks the workers to cancel a running job ("cancel," and its id): no
+#: queue name holds a comma, so it cannot be mistaken for one (cancel_job).
+CANCEL_PREFIX = "cancel,"
 SETTLE_RECHECK = 0.005
 SETTLE_RECHECK_MAX = 1.0
 
@@ -43,8 +46,10 @@ class Notifier:
         connect_kwargs: dict[str, Any],
         *,
         poll_interval: float,
+        on_cancel: Callable[[str], None] = lambda job_id: None,
     ) -> None:
         self.dsn = dsn
+        self.on_cancel = on_cancel
         self.q = q
         self.channel = channel
         self.queues = queues
@@ -138,7 +143,9 @@ class Notifier:
 
         async def consume() -> None:
             async for notify in conn.notifies(timeout=timeout):
-                if self.queues is None or notify.payload in self.queues:
+                if notify.payload.startswith(CANCEL_PREFIX):
+                    self.on_cancel(notify.payload[len(CANCEL_PREFIX) :])
+                elif self.queues is None or notify.payload in self.queues:
                     self.wake()
 
         listener = asyncio.ensure_future(consume())

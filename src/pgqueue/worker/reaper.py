@@ -61,8 +61,8 @@ class Reaper:
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.q.reap_expired_leases, params)
             rows = await cur.fetchall()
-            dead = [str(job_id) for job_id, status, _, _ in rows if status == "dead"]
-            if dead:  # out of attempts: final, and App.wait may be waiting for it
+            dead = [str(job_id) for job_id, status, _, _ in rows if status != "retrying"]
+            if dead:  # dead or cancelled: final, and App.wait may be waiting for it
                 await conn.execute(self.q.notify_finished, {"ids": ",".join(dead)})
         for job_id, status, attempts, _queue in rows:
             log.warning("job %s: lease expired on attempt %s; now %s", job_id, attempts, status)

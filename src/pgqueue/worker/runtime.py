@@ -8,6 +8,7 @@ held lease alive and the reaper recovers other workers' expired ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -265,6 +266,7 @@ class Worker:
             lease=self.lease,
             interval=self.heartbeat_interval,
             on_lost=self._on_lost,
+            on_cancel=self._on_cancel,
             connect_kwargs=connect_kwargs("heartbeat"),
         )
         self.reaper = Reaper(
@@ -285,6 +287,7 @@ class Worker:
             self.fetcher.notify,
             connect_kwargs("listen"),
             poll_interval=self.poll_interval,
+            on_cancel=self._on_cancel_notice,
         )
         if self.listen:
             self.fetcher.on_waiting = self.notifier.set_waiting
@@ -572,14 +575,18 @@ class Worker:
             outcome: Outcome = await run
         except asyncio.CancelledError as exc:
             slot = asyncio.current_task()
-            if run.cancel_requested or (slot is not None and slot.cancelling()):
+            if held.job.cancel_asked and not held.lost and not state.stopping.is_set():
+                # Someone asked to cancel the job (App.cancel): the attempt ends 'cancelled'.
+                outcome = self.executor.cancelled(held.job, held.started)
+            elif run.cancel_requested or (slot is not None and slot.cancelling()):
                 # The worker's own cancellation: a lost lease, or the end of the grace period
                 # (then the job is handed back at shutdown).
                 if held.lost:
                     state.held.pop(held.job.key, None)
                 return
-            # The handler's own: it awaited something that someone else cancelled.
-            outcome = self.executor.failure(held.job, held.started, exc)
+            else:
+                # The handler's own: it awaited something that someone else cancelled.
+                outcome = self.executor.failure(held.job, held.started, exc)
         finally:
             held.handler = None
             state.running -= 1
@@ -590,6 +597,35 @@ class Worker:
             return
         held.phase = Phase.ACKING
         self.completer.submit(outcome)
+
+    def _on_cancel(self, held: Held) -> None:
+        """Someone asked to cancel a job this worker holds (its heartbeat or a NOTIFY said so):
+        stop its handler (a sync one is abandoned: Python cannot interrupt a thread) and write
+        'cancelled', fenced like any ack. A job still in the buffer is cancelled unstarted."""
+        assert self.state is not None
+        job = held.job
+        if job.cancel_asked or held.phase not in (Phase.PREFETCHED, Phase.RUNNING):
+            return
+        job.cancel_asked = True
+        log.info("job %d: cancel requested; stopping it", job.id)
+        if held.phase is Phase.PREFETCHED:
+            with contextlib.suppress(ValueError):
+                self.state.buffer.remove(held)
+                held.phase = Phase.ACKING
+                self.completer.submit(self.executor.cancelled(job, time.monotonic()))
+        elif held.handler is not None:
+            held.handler.cancel()
+
+    def _on_cancel_notice(self, payload: str) -> None:
+        """A NOTIFY asked to cancel job ``payload`` (an id): if this worker holds it."""
+        assert self.state is not None
+        try:
+            job_id = int(payload)
+        except ValueError:
+            return
+        for held in list(self.state.held.values()):
+            if held.job.id == job_id:
+                self._on_cancel(held)
 
     def _on_lost(self, held: Held) -> None:
         assert self.state is not None
@@ -667,8 +703,11 @@ class Worker:
                     self._count_stale()
                     self.recorder.record(outcome.queue, "lost", None, None)
                 continue
-            kind = _STATS_KIND[outcome.status.value]
-            self.recorder.record(outcome.queue, kind, outcome.pickup_seconds, outcome.run_seconds)
+            kind = _STATS_KIND.get(outcome.status.value)
+            if kind is not None:  # a cancelled attempt is none of the dashboard's outcomes
+                self.recorder.record(
+                    outcome.queue, kind, outcome.pickup_seconds, outcome.run_seconds
+                )
             if announce and outcome.status.value != "retrying":
                 final.append(outcome.job_id)
             if outcome.status.value == "succeeded":
@@ -677,6 +716,8 @@ class Worker:
                 counters.retried += 1
                 retried.append(outcome.queue)
                 self.fetcher.ready_in(outcome.delay or 0.0)
+            elif outcome.status.value == "cancelled":
+                counters.cancelled += 1
             else:
                 counters.dead += 1
         # Written results free lease budget: the fetcher may claim again.

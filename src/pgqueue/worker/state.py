@@ -47,6 +47,9 @@ class ClaimedJob:
     pickup_seconds: float
     #: Claimed by the limited claim: its end frees a slot or rate that other claims may wait for.
     limited: bool = False
+    #: Someone asked to cancel this attempt (App.cancel): the handler is being stopped, and what
+    #: the attempt writes is 'cancelled'. Read by ``JobContext.cancelled`` from any thread.
+    cancel_asked: bool = False
     key: Key = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +80,7 @@ class Counters:
     succeeded: int = 0
     retried: int = 0
     dead: int = 0
+    cancelled: int = 0
     released: int = 0
     #: Writes (acks, heartbeats) refused by fencing because the lease was no longer ours.
     stale_writes: int = 0
