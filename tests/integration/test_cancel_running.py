@@ -5,6 +5,7 @@ minute and beat every few seconds, so a stop within a second came by NOTIFY."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -158,10 +159,8 @@ async def test_a_handler_that_finishes_before_the_cancel_lands_keeps_its_success
     @app.task
     async def shrug() -> str:
         started.set()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(120)
-        except asyncio.CancelledError:
-            pass
         return "done anyway"
 
     job = shrug.enqueue()
@@ -203,6 +202,7 @@ async def test_a_prefetched_job_is_cancelled_before_it_starts(app: pgqueue.App, 
     second = one.enqueue(n=2)
     async with running_worker(app, concurrency=1, **SLOW_BEAT) as worker:
         await wait_until_async(lambda: ran == [1], timeout=30)
+        assert worker.state is not None
         held = {h.job.id: h.phase.value for h in worker.state.held.values()}
         app.cancel(second)
         await wait_until_async(lambda: status(conn, second)[0] == "cancelled", timeout=30)

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue import results
+from pgqueue import db, results
 from tests.helpers import running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -129,7 +129,7 @@ async def test_nobody_waiting_means_no_announcements(app: pgqueue.App, conn: Con
     @app.task
     async def quick(n: int) -> None: ...
 
-    conn.execute(f"LISTEN {results.db.done_channel_for(app.schema)}")
+    conn.execute(f"LISTEN {db.done_channel_for(app.schema)}")
     app.enqueue_many([("quick", {"n": n}) for n in range(20)])
     async with running_worker(app, **NO_POLL):
         await wait_until_async(
