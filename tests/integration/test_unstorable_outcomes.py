@@ -291,7 +291,7 @@ def test_every_outcome_a_handler_can_produce_is_storable(
     assert [r[0] for r in claimed] == [job_id]
     job = ClaimedJob(job_id, "default", "anything", {}, attempt, 3, token, 0.0)
     outcome = asyncio.run(executor.run(job, 0.0, lambda: 0.0, lambda: None))
-    written = conn.execute(app.q.complete_jobs, ack_params([outcome])).fetchall()
+    written = [r[:1] for r in conn.execute(app.q.complete_jobs, ack_params([outcome]))]
     assert written == [(job_id,)], outcome
 
 
