@@ -311,6 +311,7 @@ class App:
         unique_for: float | timedelta | None = None,
         on_conflict: str | None = None,
         grouped: bool = True,
+        meta: Mapping[str, Any] | None = None,
     ) -> producer.JobRow:
         """``grouped``: compute the job's limit group (False for a bulk template, whose jobs
         each compute their own)."""
@@ -339,6 +340,7 @@ class App:
             run_at=run_at,
             max_payload=self.max_payload_bytes,
             unique=None if rule is None else (rule, key),
+            meta=meta,
         )
 
     def enqueue(
@@ -358,6 +360,7 @@ class App:
         unique_while: UniqueWhile | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Enqueued:
         """Queue one job and return its id. With ``connection``, the job exists only if that
         connection's transaction commits. For a unique job (the task's ``unique``, or
@@ -381,6 +384,7 @@ class App:
             unique_while=unique_while,
             unique_for=unique_for,
             on_conflict=on_conflict,
+            meta=meta,
         )
         if connection is not None:
             return producer.insert(connection, self.q, row)
@@ -403,6 +407,7 @@ class App:
         unique_while: UniqueWhile | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Enqueued:
         """``enqueue`` for async code, on this event loop's connections."""
         row = self._row(
@@ -419,6 +424,7 @@ class App:
             unique_while=unique_while,
             unique_for=unique_for,
             on_conflict=on_conflict,
+            meta=meta,
         )
         if connection is not None:
             return await producer.insert_async(connection, self.q, row)
@@ -478,6 +484,7 @@ class App:
                 "unique_while",
                 "unique_for",
                 "on_conflict",
+                "meta",
             }
             if unknown:
                 raise InvalidJobError(f"job #{index}: unknown keys {sorted(unknown)}")
@@ -497,6 +504,7 @@ class App:
                         unique_while=spec.get("unique_while"),
                         unique_for=spec.get("unique_for"),
                         on_conflict=spec.get("on_conflict"),
+                        meta=spec.get("meta"),
                     )
                 )
             except (InvalidJobError, UnknownTaskError) as exc:

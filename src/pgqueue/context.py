@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from uuid import UUID
+
+#: Longest progress note kept (characters); longer ones are cut.
+MAX_NOTE = 1000
 
 
 def _no_lease() -> float:
@@ -14,6 +20,10 @@ def _no_lease() -> float:
 
 def _not_cancelled() -> bool:
     return False
+
+
+def _no_progress(text: str) -> None:
+    return None
 
 
 class CancelledByRequest(Exception):
@@ -35,6 +45,29 @@ class JobContext:
     #: The worker's lease deadline on its monotonic clock (what ``lease_deadline`` converts).
     _lease_deadline: Callable[[], float] = field(default=_no_lease, repr=False, compare=False)
     _cancelled: Callable[[], bool] = field(default=_not_cancelled, repr=False, compare=False)
+    #: The caller's own data, set at enqueue (``configure(meta=...)``); None if none was.
+    meta: dict[str, Any] | None = None
+    _progress: Callable[[str], None] = field(default=_no_progress, repr=False, compare=False)
+
+    def progress(self, current: float, total: float | None = None, note: str | None = None) -> None:
+        """Report how far this attempt got (``pgqueue job ID``, the JSON API, the dashboard's
+        Running jobs panel). Cheap: it only keeps the value; the worker's next heartbeat writes
+        the latest one, fenced by this attempt's lease, so call it as often as you like."""
+        for name, value in (("current", current), ("total", total)):
+            if value is None and name == "total":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"progress {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"progress {name} must be finite, got {value!r}")
+        if note is not None and not isinstance(note, str):
+            raise TypeError(f"progress note must be a string, got {type(note).__name__}")
+        entry: dict[str, Any] = {"current": current}
+        if total is not None:
+            entry["total"] = total
+        if note is not None:
+            entry["note"] = note[:MAX_NOTE].replace("\x00", "")
+        self._progress(json.dumps(entry, ensure_ascii=False))
 
     @property
     def cancelled(self) -> bool:

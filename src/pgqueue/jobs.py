@@ -58,6 +58,11 @@ class Job:
     #: The key a unique job was enqueued with (``task:key``); None for other jobs, and once a
     #: later enqueue with the same key found it no longer held.
     unique_key: str | None = None
+    #: The caller's own data, set at enqueue (``configure(meta=...)``).
+    meta: dict[str, Any] | None = None
+    #: The last progress its running attempt reported (``ctx.progress``): ``current``, and
+    #: ``total`` and ``note`` if given.
+    progress: dict[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Job:

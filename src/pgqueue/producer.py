@@ -50,6 +50,8 @@ class JobRow:
     #: the task is declared with a limit or a rate (concepts/limits.md). None: the database
     #: decides (a task limited there gets '').
     limit_key: str | None = None
+    #: The caller's own data (configure(meta=...)), as JSON text; None: none.
+    meta_json: str | None = None
 
     def params(self) -> dict[str, Any]:
         return {
@@ -61,6 +63,7 @@ class JobRow:
             "delay": self.delay,
             "max_attempts": self.max_attempts,
             "limit_key": self.limit_key,
+            "meta": self.meta_json,
         }
 
     def unique_params(self) -> dict[str, Any]:
@@ -77,7 +80,7 @@ class JobRow:
     ) -> JobRow:
         return JobRow(self.queue, self.task, args_json, self.priority, self.run_at, self.delay,
                       self.max_attempts, unique_key, self.unique_while, self.unique_for,
-                      self.on_conflict, limit_key)  # fmt: skip
+                      self.on_conflict, limit_key, self.meta_json)  # fmt: skip
 
     def group_key(self, limited: frozenset[str]) -> str | None:
         """The limit group written by a bulk enqueue, which cannot ask the database per row:
@@ -105,17 +108,18 @@ class JobRow:
         args = self.args_json.replace("\\", "\\\\") if "\\" in self.args_json else self.args_json
         group = self.group_key(limited)
         limit_key = "\\N" if group is None else _key_escape(group)
+        meta = "\\N" if self.meta_json is None else self.meta_json.replace("\\", "\\\\")
         if self.unique_key is None:
             return (
                 f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
                 f"{self.priority}\t{run_at}\t{self.max_attempts}\t\\N\t\\N\t\\N\t"
-                f"{limit_key}\n"
+                f"{limit_key}\t{meta}\n"
             )
         unique_for = "\\N" if self.unique_for is None else repr(self.unique_for)
         return (
             f"{_copy_escape(self.queue)}\t{_copy_escape(self.task)}\t{args}\t"
             f"{self.priority}\t{run_at}\t{self.max_attempts}\t{_key_escape(self.unique_key)}\t"
-            f"{self.unique_while}\t{unique_for}\t{limit_key}\n"
+            f"{self.unique_while}\t{unique_for}\t{limit_key}\t{meta}\n"
         )
 
 
@@ -270,6 +274,25 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
     return text
 
 
+def serialize_meta(meta: Mapping[str, Any], max_payload: int) -> str:
+    """A job's ``meta`` as JSON text: a mapping of JSON values, like the arguments, bounded by
+    the same size (it travels with the job to the handler and the dashboard)."""
+    if not isinstance(meta, Mapping):
+        raise InvalidJobError(f"meta must be a mapping, got {type(meta).__name__}")
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            raise InvalidJobError(f"meta keys must be strings, got {key!r}")
+        _check_value(value, f"meta[{key!r}]")
+    try:
+        text = _ENCODER.encode(meta)
+    except ValueError as exc:
+        raise InvalidJobError(f"meta is not JSON-serialisable: {exc}") from None
+    size = len(text.encode("utf-8"))
+    if size > max_payload:
+        raise InvalidJobError(f"meta is {size:,} bytes as JSON; the limit is {max_payload:,}")
+    return text
+
+
 def check_delay(
     delay: float | timedelta | None, run_at: datetime | None
 ) -> tuple[float, datetime | None]:
@@ -332,6 +355,7 @@ def build_row(
     max_payload: int,
     unique: tuple[UniqueRule, str | None] | None = None,
     limit_key: str | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> JobRow:
     """``unique``: the job's rule and the caller's explicit key, if it is a unique job.
     ``limit_key``: its limit group, if its task declares a limit (see JobRow)."""
@@ -347,6 +371,7 @@ def build_row(
         delay=seconds,
         max_attempts=check_int("max_attempts", max_attempts, 1),
         limit_key=limit_key,
+        meta_json=None if meta is None else serialize_meta(meta, max_payload),
     )
     if unique is None:
         return row
@@ -357,7 +382,7 @@ def build_row(
 def with_unique(row: JobRow, rule: UniqueRule, key: str) -> JobRow:
     return JobRow(row.queue, row.task, row.args_json, row.priority, row.run_at, row.delay,
                   row.max_attempts, key, rule.while_, rule.for_, rule.on_conflict,
-                  row.limit_key)  # fmt: skip
+                  row.limit_key, row.meta_json)  # fmt: skip
 
 
 # --- I/O: sync and async twins ------------------------------------------------------------
@@ -427,7 +452,7 @@ def _copy_text(rows: Sequence[JobRow], clock: BatchClock) -> str:
 # any share one COPY, so a batch without unique jobs is one COPY as before.
 
 _UNIQUE_ARRAYS = ("queues", "tasks", "args", "priorities", "run_ats", "max_attempts", "keys",
-                  "whiles", "fors", "limit_keys")  # fmt: skip
+                  "whiles", "fors", "limit_keys", "metas")  # fmt: skip
 
 
 def _has_unique(rows: Sequence[JobRow]) -> bool:
@@ -445,7 +470,7 @@ def unique_groups(rows: Sequence[JobRow], clock: BatchClock) -> list[tuple[str, 
     for row in rows:
         entry = [row.queue, row.task, row.args_json, row.priority, row.db_run_at(db_now),
                  row.max_attempts, row.unique_key, row.unique_while, row.unique_for,
-                 row.group_key(limited)]  # fmt: skip
+                 row.group_key(limited), row.meta_json]  # fmt: skip
         key = row.unique_key
         if key is not None:
             first = seen.get((row.on_conflict, key))

@@ -6,11 +6,13 @@
 -- The limit group is the producer's (its task declares a limit) or, when it has none, '' for a
 -- task limited in the database (an app that does not declare the task, an operator's limit):
 -- one primary-key probe of the small pgqueue_tasks, so no job of a limited task escapes it.
-INSERT INTO {schema}.pgqueue_jobs (queue, task, args, priority, run_at, max_attempts, limit_key)
+INSERT INTO {schema}.pgqueue_jobs
+    (queue, task, args, priority, run_at, max_attempts, limit_key, meta)
 VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
         %(max_attempts)s,
-        COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)))
+        COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)),
+        %(meta)s::jsonb)
 RETURNING id
 
 -- name: insert_unique_job
@@ -27,11 +29,12 @@ RETURNING id
 -- whether that job took the new values.
 INSERT INTO {schema}.pgqueue_jobs AS j
     (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
-     limit_key)
+     limit_key, meta)
 VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
         COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
         %(max_attempts)s, %(unique_key)s, %(unique_while)s, %(unique_for)s,
-        COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)))
+        COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)),
+        %(meta)s::jsonb)
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE
 SET args = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
                 THEN EXCLUDED.args ELSE j.args END,
@@ -54,15 +57,15 @@ RETURNING j.id, j.xmax <> 0,
 -- the rest (their jobs no longer hold them) and runs those rows again.
 INSERT INTO {schema}.pgqueue_jobs AS j
     (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
-     limit_key)
+     limit_key, meta)
 SELECT d.queue, d.task, d.args::jsonb, d.priority, d.run_at, d.max_attempts, d.unique_key,
-       d.unique_while, d.unique_for, d.limit_key
+       d.unique_while, d.unique_for, d.limit_key, d.meta::jsonb
 FROM unnest(%(queues)b::text[], %(tasks)b::text[], %(args)b::text[], %(priorities)b::int[],
             %(run_ats)b::timestamptz[], %(max_attempts)b::int[], %(keys)b::text[],
-            %(whiles)b::text[], %(fors)b::float8[], %(limit_keys)b::text[])
+            %(whiles)b::text[], %(fors)b::float8[], %(limit_keys)b::text[], %(metas)b::text[])
      WITH ORDINALITY
      AS d(queue, task, args, priority, run_at, max_attempts, unique_key, unique_while,
-          unique_for, limit_key, ord)
+          unique_for, limit_key, meta, ord)
 ORDER BY d.ord
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE
 SET args = CASE WHEN %(on_conflict)s <> 'keep' AND j.status IN ('queued', 'retrying')
@@ -96,7 +99,7 @@ WHERE o.unique_key = ANY(%(keys)s::text[])
 -- Limit groups come from the producer (BatchClock: it read the limited tasks with the clock).
 COPY {schema}.pgqueue_jobs
     (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
-     limit_key)
+     limit_key, meta)
 FROM STDIN
 
 -- name: database_now
@@ -125,7 +128,7 @@ SELECT j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.status::text, j.at
        j.max_attempts, j.lease_token,
        CASE WHEN j.status = 'running' THEN COALESCE(j.lease_expires_at, w.lease_expires_at) END,
        j.worker_id, j.last_error, j.result, j.created_at, j.claimed_at, j.started_at,
-       j.finished_at, j.unique_key
+       j.finished_at, j.unique_key, j.meta, j.progress
 FROM {schema}.pgqueue_jobs j
 LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
 WHERE j.id = %(id)s
@@ -341,9 +344,9 @@ WITH claimed AS (
     ))
     RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
-              j.priority, j.run_at
+              j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_jobs_by_priority
@@ -429,9 +432,9 @@ WITH claimed AS (
     ))
     RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
-              j.priority, j.run_at
+              j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: begin_limited_claim
@@ -613,8 +616,8 @@ claimed AS (
       AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
                   WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
     RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
-              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
-              j.priority, j.run_at
+              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup,
+              j.priority, j.run_at, j.meta
 ),
 logged AS (
     INSERT INTO {schema}.pgqueue_rates AS rt (name, period, times, counts)
@@ -631,7 +634,7 @@ logged AS (
         FROM unnest(rt.times, rt.counts) AS x(at, c)
         WHERE x.at > now() - make_interval(secs => EXCLUDED.period))
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, limit_key
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup, limit_key, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: next_ready_at
@@ -745,6 +748,7 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL AND a.status <> 'succee
                           statement_timestamp() - make_interval(secs => a.run_seconds)),
     last_error = COALESCE(a.error, j.last_error),
     result = a.result::jsonb,
+    progress = CASE WHEN a.status = 'retrying' THEN NULL ELSE j.progress END,
     lease_expires_at = NULL, worker_id = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delays)b::float8[],
             %(errors)b::text[], %(results)b::text[], %(run_seconds)b::float8[])
@@ -819,6 +823,20 @@ LEFT JOIN {schema}.pgqueue_jobs j
        ON j.id = h.id AND j.lease_token = h.token AND j.status::text = 'running'
 WHERE j.id IS NULL OR j.cancel_requested_at IS NOT NULL
 
+-- name: save_progress
+-- The handlers' latest ctx.progress(...), written by the heartbeat after extend_leases: one
+-- statement for every job that reported since the last beat, fenced like an ack (id, token,
+-- still running). Rows locked by someone else right now are skipped, not waited for (the
+-- heartbeat never waits on a job's row lock, see extend_leases): their progress is written at a
+-- later beat. progress is in no index, so this is a HOT update.
+UPDATE {schema}.pgqueue_jobs j SET progress = p.progress::jsonb
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(progress)s::text[]) AS p(id, token, progress)
+WHERE j.id = p.id AND j.lease_token = p.token AND j.status::text = 'running'
+  AND j.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l
+                       WHERE l.id = ANY(%(ids)s::bigint[]) ORDER BY l.id
+                       FOR UPDATE SKIP LOCKED))
+RETURNING j.id
+
 -- name: untracked_jobs
 -- Jobs running under this worker's lease that it does not track (only a bug can leave one; jobs
 -- it gave up or abandoned it expires itself). The heartbeat asks now and then, not every beat:
@@ -870,6 +888,7 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
              END,
     finished_at = CASE WHEN j.attempts >= j.max_attempts OR j.cancel_requested_at IS NOT NULL
                        THEN now() END,
+    progress = NULL,
     last_error = 'LeaseExpired: worker ' || COALESCE(j.worker_id::text, '?')
                  || ' no longer held its lease on this attempt (it crashed, stalled, lost its'
                  || ' connection or gave the attempt up)',

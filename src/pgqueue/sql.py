@@ -141,6 +141,7 @@ class Queries:
     applied_completions: bytes
     release_leases: bytes
     extend_leases: bytes
+    save_progress: bytes
     untracked_jobs: bytes
     register_worker: bytes
     deregister_worker: bytes

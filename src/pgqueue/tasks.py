@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_origin, get_type_hints
@@ -85,6 +85,8 @@ class TaskOptions:
     unique: UniqueRule | None = None
     #: The caller's own key for one call (configure(unique_key=...)).
     unique_key: str | None = None
+    #: The caller's own data for the job (configure(meta=...)).
+    meta: Mapping[str, Any] | None = None
 
 
 class Task(Generic[P, R]):
@@ -150,10 +152,13 @@ class Task(Generic[P, R]):
         unique_while: UniqueWhile | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> ConfiguredTask[P]:
         """Per-call options; ``connection`` enqueues inside the caller's own transaction;
         ``unique_key`` (and the other ``unique`` options) make this call's job unique, or change
-        the task's rule. They are checked here, so a bad one is refused where it is written."""
+        the task's rule; ``meta`` is data of your own (trace ids, a tenant) that the handler
+        reads as ``ctx.meta`` and ``get_job`` and the dashboard show. They are checked here, so
+        a bad one is refused where it is written."""
         producer.check_delay(delay, run_at)
         rule, key = combine(
             self.options.unique,
@@ -169,6 +174,8 @@ class Task(Generic[P, R]):
             producer.check_int("priority", priority, -(2**31 - 1))
         if max_attempts is not None:
             producer.check_int("max_attempts", max_attempts, 1)
+        if meta is not None:
+            producer.serialize_meta(meta, self.app.max_payload_bytes)
         changes: dict[str, Any] = {
             k: v
             for k, v in {
@@ -178,6 +185,7 @@ class Task(Generic[P, R]):
                 "delay": delay,
                 "run_at": run_at,
                 "connection": connection,
+                "meta": meta,
             }.items()
             if v is not None
         }
@@ -216,6 +224,7 @@ class ConfiguredTask(Generic[P]):
             delay=o.delay,
             run_at=o.run_at,
             connection=conn,
+            meta=o.meta,
             **_unique_options(self.task, o),
         )
 
@@ -233,6 +242,7 @@ class ConfiguredTask(Generic[P]):
             delay=o.delay,
             run_at=o.run_at,
             connection=conn,
+            meta=o.meta,
             **_unique_options(self.task, o),
         )
 

@@ -216,6 +216,8 @@ class Executor:
             worker_id=self.worker_id,
             _lease_deadline=lease_deadline,
             _cancelled=lambda: job.cancel_asked,
+            meta=job.meta,
+            _progress=functools.partial(_keep_progress, job),
         )
 
     async def run(
@@ -391,3 +393,8 @@ class Executor:
             queue=job.queue,
             pickup_seconds=job.pickup_seconds,
         )
+
+
+def _keep_progress(job: ClaimedJob, text: str) -> None:
+    """The handler's latest progress, for the next heartbeat to write (see heartbeat)."""
+    job.progress = text

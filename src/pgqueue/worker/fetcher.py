@@ -263,7 +263,7 @@ class Fetcher:
         self.claims += 1
         # Round-robin: the next walk starts after the furthest group that gave a job (or,
         # when none did, after the last one walked).
-        taken = [order[(task, key)] for _, _, task, _, _, _, _, key in rows if key is not None
+        taken = [order[(task, key)] for _, _, task, _, _, _, _, key, _ in rows if key is not None
                  and (task, key) in order]  # fmt: skip
         if taken:
             furthest = max(taken)
@@ -288,8 +288,9 @@ class Fetcher:
                 token,
                 pickup,
                 limited=True,
+                meta=None if meta is None else _decode(meta)[0],
             )
-            for job_id, queue, task, args, attempt, max_attempts, pickup, _ in rows
+            for job_id, queue, task, args, attempt, max_attempts, pickup, _, meta in rows
         ]
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
@@ -308,9 +309,17 @@ class Fetcher:
             rows = await cur.fetchall()
             jobs = [
                 ClaimedJob(
-                    job_id, queue, task, _decode(args)[0], attempt, max_attempts, token, pickup
+                    job_id,
+                    queue,
+                    task,
+                    _decode(args)[0],
+                    attempt,
+                    max_attempts,
+                    token,
+                    pickup,
+                    meta=None if meta is None else _decode(meta)[0],
                 )
-                for job_id, queue, task, args, attempt, max_attempts, pickup in rows
+                for job_id, queue, task, args, attempt, max_attempts, pickup, meta in rows
             ]
             if not self.tasks.keys() >= {job.task for job in jobs}:
                 jobs = await self._hand_back_unknown(conn, jobs)
@@ -335,8 +344,9 @@ class Fetcher:
                 "jobs of task %r are waiting, but no handler is registered for it in this worker "
                 "(registered: %s); they are left for a worker that knows it, and this worker "
                 "now claims only its own tasks",
-                name, ", ".join(self.only_tasks) or "none",
-            )  # fmt: skip
+                name,
+                ", ".join(self.only_tasks) or "none",
+            )
         self.wake([job.queue for job in unknown])
         # A job that could not be given back (its row locked right now) runs here and fails
         # as an unknown task, attempt counted, like any other failure.

@@ -114,6 +114,25 @@ class Heartbeat:
             self._abandoned.add(h.job.key)
             self.on_lost(h)
 
+    async def _save_progress(self, conn: psycopg.AsyncConnection[Any], held: list[Held]) -> None:
+        """Write the progress handlers reported since the last beat (save_progress); a value
+        replaced meanwhile, or not written (its row locked), waits for the next beat."""
+        sent = [(h.job, h.job.progress) for h in held if h.job.progress is not None]
+        if not sent:
+            return
+        cur = await conn.execute(
+            self.q.save_progress,
+            {
+                "ids": [job.id for job, _ in sent],
+                "tokens": [job.lease_token for job, _ in sent],
+                "progress": [text for _, text in sent],
+            },
+        )
+        written = {int(row[0]) for row in await cur.fetchall()}
+        for job, text in sent:
+            if job.id in written and job.progress is text:
+                job.progress = None
+
     async def beat(self) -> None:
         state = self.state
         held = [h for h in state.held.values() if h.phase is not Phase.ABANDONED]
@@ -143,6 +162,7 @@ class Heartbeat:
             elif h is not None and h.phase in _WAITING_OR_RUNNING:
                 log.warning("job %d: lease lost (reaped or taken over); abandoning it", job_id)
                 self.on_lost(h)
+        await self._save_progress(conn, held)
         if self._abandoned:
             # Those whose handler has ended (a cancelled handler may take a moment).
             gone = self._abandoned - state.held.keys()

@@ -50,6 +50,10 @@ class ClaimedJob:
     #: Someone asked to cancel this attempt (App.cancel): the handler is being stopped, and what
     #: the attempt writes is 'cancelled'. Read by ``JobContext.cancelled`` from any thread.
     cancel_asked: bool = False
+    #: The caller's own data (``configure(meta=...)``), for ``JobContext.meta``.
+    meta: dict[str, Any] | None = None
+    #: The handler's last ``ctx.progress(...)`` as JSON text, until a heartbeat writes it.
+    progress: str | None = None
     key: Key = field(init=False)
 
     def __post_init__(self) -> None:
