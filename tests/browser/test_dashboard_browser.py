@@ -303,3 +303,36 @@ def test_a_paused_queue_wears_a_badge_wherever_it_is_named(
     expect(legend.locator(".pill.paused")).to_have_count(1)
     expect(page.locator("#workers")).not_to_contain_text("(paused)")
     assert page.evaluate("window.__marker") == 7
+
+
+def test_a_running_jobs_progress_shows_as_a_bar_and_moves_without_reload(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)
+    first, second = [
+        r[0]
+        for r in conn.execute(
+            "SELECT id FROM pgqueue_jobs WHERE status = 'running' ORDER BY claimed_at, id"
+        ).fetchall()
+    ]
+    conn.execute(
+        'UPDATE pgqueue_jobs SET progress = \'{"current": 30, "total": 120, "note": "rows"}\''
+        " WHERE id = %s",
+        (first,),
+    )
+    conn.execute("UPDATE pgqueue_jobs SET progress = '{\"current\": 7}' WHERE id = %s", (second,))
+    _open(page, base_url)
+    rows = page.locator("#running tr")
+    bar = rows.nth(0).locator(".progress progress")
+    expect(bar).to_have_attribute("max", "120")
+    expect(bar).to_have_attribute("value", "30")
+    expect(rows.nth(0).locator(".progress-label")).to_have_text("25% · rows")
+    expect(rows.nth(1).locator(".progress progress")).to_have_count(0)
+    expect(rows.nth(1).locator(".progress-label")).to_have_text("7")
+    page.evaluate("window.__marker = 7")
+    conn.execute(
+        'UPDATE pgqueue_jobs SET progress = \'{"current": 90, "total": 120}\' WHERE id = %s',
+        (first,),
+    )
+    expect(rows.nth(0).locator(".progress-label")).to_have_text("75%")
+    assert page.evaluate("window.__marker") == 7

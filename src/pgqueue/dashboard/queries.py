@@ -70,7 +70,8 @@ async def read(
         workers = [figures.worker_row(r, late_after) for r in await _all(conn, q["workers"])]
         running = [
             {"id": r[0], "task": r[1], "queue": r[2], "worker": r[3], "attempt": r[4],
-             "max_attempts": r[5], "running_for": r[6], "lease_left": r[7], "args": r[8]}
+             "max_attempts": r[5], "running_for": r[6], "lease_left": r[7], "args": r[8],
+             "progress": r[9]}
             for r in await _all(conn, q["running_jobs"], {"limit": LIST_LIMIT})
         ]  # fmt: skip
         problems = [
@@ -133,7 +134,8 @@ async def job_detail(
         "id": r[0], "task": r[1], "queue": r[2], "status": r[3], "attempts": r[4],
         "max_attempts": r[5], "priority": r[6], "args": r[7], "last_error": r[8],
         "created_at": _iso(r[9]), "run_at": _iso(r[10]), "claimed_at": _iso(r[11]),
-        "finished_at": _iso(r[12]), "worker": r[13],
+        "finished_at": _iso(r[12]), "worker": r[13], "meta": r[14], "progress": r[15],
+        "cancel_requested_at": _iso(r[16]),
     }  # fmt: skip
 
 

@@ -96,7 +96,8 @@ SELECT j.id, j.task, j.queue, j.worker_id::text, j.attempts, j.max_attempts,
        extract(epoch FROM now() - j.claimed_at)::float8,
        extract(epoch FROM COALESCE(j.lease_expires_at, w.lease_expires_at) - now())::float8,
        CASE WHEN pg_column_size(j.args) <= 2048 THEN left(j.args::text, 120)
-            ELSE '… ' || pg_column_size(j.args) || ' bytes' END
+            ELSE '… ' || pg_column_size(j.args) || ' bytes' END,
+       j.progress
 FROM {schema}.pgqueue_jobs j
 LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
 WHERE j.status = 'running'
@@ -188,6 +189,8 @@ SELECT id, task, queue, status::text, attempts, max_attempts, priority,
        CASE WHEN pg_column_size(args) <= 65536 THEN left(args::text, 8192)
             ELSE '… ' || pg_column_size(args) || ' bytes' END,
        left(last_error, 65536),
-       created_at, run_at, claimed_at, finished_at, worker_id::text
+       created_at, run_at, claimed_at, finished_at, worker_id::text,
+       CASE WHEN pg_column_size(meta) <= 65536 THEN meta END, progress,
+       cancel_requested_at
 FROM {schema}.pgqueue_jobs
 WHERE id = %(id)s

@@ -195,12 +195,31 @@
     state.seenFeed = seen;
   }
 
+  // A running job's last ctx.progress(...): a bar when it has a total, the count otherwise;
+  // the note, if any, beside it and in the tooltip.
+  function progressBar(p) {
+    const box = el("span", "progress");
+    const current = Number(p.current), total = p.total === undefined ? null : Number(p.total);
+    let label = fmtInt(current);
+    if (total !== null && total > 0) {
+      const bar = el("progress");
+      bar.max = total; bar.value = Math.max(0, Math.min(current, total));
+      box.append(bar);
+      label = Math.round(100 * bar.value / total) + "%";
+    }
+    box.append(el("span", "progress-label", p.note ? label + " · " + p.note : label));
+    box.title = (total !== null ? fmtInt(current) + " / " + fmtInt(total) : fmtInt(current))
+      + (p.note ? " — " + p.note : "");
+    return box;
+  }
+
   function renderRunning(rows) {
     const body = $("running");
     if (!rows.length) { body.replaceChildren(emptyRow(7, "Nothing is running right now")); return; }
     body.replaceChildren(...rows.map((r) => {
       const tr = el("tr");
       const task = cell(r.task); task.append(el("span", "args mono", r.args));
+      if (r.progress) task.append(progressBar(r.progress));
       const running = cell("", "num running-for"); running.dataset.base = String(r.running_for);
       const lease = cell("", "num lease"); lease.dataset.base = String(r.lease_left);
       tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), cell(shortId(r.worker), "mono"),
