@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from . import db, limits, pools, producer, queues, results, schedules
+from . import db, hooks, limits, pools, producer, queues, results, schedules
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, JobNotFoundError, UnknownTaskError
@@ -50,8 +50,15 @@ class App:
         max_payload_bytes: int = producer.DEFAULT_MAX_PAYLOAD,
         backoff: Backoff | None = None,
         prepared_statements: bool | None = None,
+        middleware: Iterable[hooks.Middleware] = (),
     ) -> None:
         self._dsn = dsn
+        #: Wraps every attempt, outermost first (``@app.middleware``; see pgqueue.hooks).
+        self.middleware_stack: list[hooks.Middleware] = [
+            hooks.check_middleware(m) for m in middleware
+        ]
+        #: Sees every job before it is written (``@app.on_enqueue``).
+        self.enqueue_hooks: list[hooks.EnqueueHook] = []
         #: False for PgBouncer's transaction pooling before 1.21 (see the PgBouncer guide): psycopg
         #: then never prepares statements server-side on pgqueue's connections. Default: on,
         #: unless ``$PGQUEUE_PREPARED_STATEMENTS`` is off, so CLI commands can turn it off too.
@@ -88,6 +95,20 @@ class App:
         if self._pool is not None or self._loop_pools:
             raise ConfigurationError("set the DSN before the app first talks to the database")
         self._dsn = db.resolve_dsn(value)
+
+    # --- hooks ----------------------------------------------------------------------------
+
+    def middleware(self, func: hooks.Middleware) -> hooks.Middleware:
+        """Register ``async def middleware(ctx, call_next)`` around every attempt, after (inside)
+        those registered before it. See pgqueue.hooks for what its exceptions do."""
+        self.middleware_stack.append(hooks.check_middleware(func))
+        return func
+
+    def on_enqueue(self, func: hooks.EnqueueHook) -> hooks.EnqueueHook:
+        """Register ``def hook(task, args, meta)``, called for every job this app enqueues,
+        before it is written; it may add to ``meta`` (a trace context, a tenant)."""
+        self.enqueue_hooks.append(hooks.check_enqueue_hook(func))
+        return func
 
     # --- tasks ----------------------------------------------------------------------------
 
@@ -329,6 +350,8 @@ class App:
             on_conflict=on_conflict,
         )
         limits = registered.limits if registered and grouped else None
+        if self.enqueue_hooks and grouped:
+            meta = hooks.run_enqueue_hooks(self.enqueue_hooks, task, args, meta)
         return producer.build_row(
             limit_key=None if limits is None else limits.group(task, args),
             task=task,
@@ -441,7 +464,10 @@ class App:
         # only the arguments are checked and serialised.
         templates: dict[str, producer.JobRow] = {}
         for index, spec in enumerate(jobs):
-            if type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str:
+            if (
+                type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str
+                and not self.enqueue_hooks  # hooks see each job: the general path below
+            ):  # fmt: skip
                 template = templates.get(spec[0])
                 try:
                     if template is None:

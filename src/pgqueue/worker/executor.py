@@ -15,6 +15,7 @@ instead of failing the ack that carries it (and every ack batched with it).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import logging
@@ -30,6 +31,7 @@ from uuid import UUID
 
 import psycopg
 
+from .. import hooks
 from ..context import JobContext
 from ..errors import Fail, Retry
 from ..jobs import MAX_DELAY_SECONDS, Status
@@ -232,7 +234,15 @@ class Executor:
         ``on_ack`` is called when a handler's own transaction is about to write its ack."""
         text: str | None = None
         try:
-            result, written = await self._call(job, lease_deadline, started, on_ack)
+            if self.app.middleware_stack:
+                ctx = self.context(job, lease_deadline)
+                result, written = await hooks.call_through(
+                    self.app.middleware_stack,
+                    ctx,
+                    functools.partial(self._call, job, lease_deadline, started, on_ack, ctx),
+                )
+            else:
+                result, written = await self._call(job, lease_deadline, started, on_ack)
             if written is None:  # else the handler's own transaction stored it already
                 text = encode_result(result)
         except asyncio.CancelledError:
@@ -296,14 +306,16 @@ class Executor:
         lease_deadline: Callable[[], float],
         started: float,
         on_ack: Callable[[], None],
+        ctx: JobContext | None = None,
     ) -> tuple[Any, bool | None]:
-        """The handler's result, and whether its own transaction wrote the ack (see Outcome)."""
+        """The handler's result, and whether its own transaction wrote the ack (see Outcome).
+        ``ctx``: the middleware's context, given to the handler too (one per attempt)."""
         task = self.app.tasks.get(job.task)
         if task is None:
             raise TaskNotRegisteredError(f"no handler is registered for task {job.task!r}")
         kwargs = dict(job.args)
         if task.context_param:
-            kwargs[task.context_param] = self.context(job, lease_deadline)
+            kwargs[task.context_param] = ctx or self.context(job, lease_deadline)
         call: Awaitable[tuple[Any, bool | None]]
         if task.connection_param:
             call = self._call_in_transaction(task, job, kwargs, started, on_ack)
@@ -313,9 +325,10 @@ class Executor:
             call = _no_ack(task.func(**kwargs))
         else:
             loop = asyncio.get_running_loop()
-            call = _no_ack(
-                loop.run_in_executor(self.threads, functools.partial(task.func, **kwargs))
-            )
+            func = functools.partial(task.func, **kwargs)
+            if ctx is not None:  # the middleware's context variables reach the thread
+                func = functools.partial(contextvars.copy_context().run, func)
+            call = _no_ack(loop.run_in_executor(self.threads, func))
         if task.timeout is None:
             return await call
         try:
