@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from . import db, hooks, limits, pools, producer, queues, results, schedules
+from . import db, hooks, limits, operations, pools, producer, queues, results, schedules
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, JobNotFoundError, UnknownTaskError
@@ -638,6 +638,74 @@ class App:
             return await cur.fetchone()
 
         return _cancel_result(job, await pool.run(run))
+
+    # --- operators' bulk actions (pgqueue.operations) ---------------------------------------
+
+    def requeue_jobs(
+        self, *, task: str | None = None, queue: str | None = None,
+        status: str | Iterable[str] | None = None, since: object = None,
+        older_than: object = None, dry_run: bool = False,
+    ) -> int:  # fmt: skip
+        """Run again every dead (or ``status="cancelled"``) job that matches, with a fresh set of
+        attempts; returns how many (a dry run only counts). ``since``/``older_than``: "1h",
+        "7d", seconds or a timedelta, against when the job finished. Batched and audited."""
+        f = operations.JobFilter.of(
+            task=task, queue=queue, status=status, since=since, older_than=older_than
+        )
+        return self._sync_pool().run(
+            lambda conn: operations.bulk(conn, self.q, "requeue", f, dry_run=dry_run)
+        )
+
+    def cancel_jobs(
+        self, *, task: str | None = None, queue: str | None = None,
+        status: str | Iterable[str] | None = None, since: object = None,
+        older_than: object = None, dry_run: bool = False,
+    ) -> int:  # fmt: skip
+        """``cancel`` for every matching job: waiting ones (the default) are cancelled, running
+        ones (``status="running"``) asked to stop. Batched and audited."""
+        f = operations.JobFilter.of(
+            task=task, queue=queue, status=status, since=since, older_than=older_than
+        )
+        return self._sync_pool().run(
+            lambda conn: operations.bulk(conn, self.q, "cancel", f, dry_run=dry_run)
+        )
+
+    def purge_jobs(
+        self, *, older_than: object, task: str | None = None, queue: str | None = None,
+        status: str | Iterable[str] | None = None, dry_run: bool = False,
+    ) -> int:  # fmt: skip
+        """Delete finished jobs (succeeded by default; dead or cancelled if named) that finished
+        more than ``older_than`` ago. Batched (never a long lock) and audited."""
+        f = operations.JobFilter.of(task=task, queue=queue, status=status, older_than=older_than)
+        return self._sync_pool().run(
+            lambda conn: operations.bulk(conn, self.q, "purge", f, dry_run=dry_run)
+        )
+
+    def find_jobs(
+        self, *, task: str | None = None, queue: str | None = None,
+        status: str | Iterable[str] | None = None, since: object = None,
+        older_than: object = None, limit: int = 20,
+    ) -> list[operations.JobSummary]:  # fmt: skip
+        """The newest jobs that match, newest first."""
+        f = operations.JobFilter.of(
+            task=task, queue=queue, status=status, since=since, older_than=older_than
+        )
+        return self._sync_pool().run(
+            lambda conn: operations.find(conn, self.q, f, limit), read_only=True
+        )
+
+    def retry_now(self, job_id: int) -> bool:
+        """Run a retrying (or delayed) job now instead of at its run_at; False if it is not
+        waiting. Raises JobNotFoundError for an unknown id."""
+        job = _job_id(job_id)
+        was = self._sync_pool().run(lambda conn: operations.retry_now(conn, self.q, job))
+        return was in ("queued", "retrying")
+
+    def audit_log(self, limit: int = 20) -> list[operations.AuditEntry]:
+        """The newest bulk actions (requeue, cancel, purge by filter), newest first."""
+        return self._sync_pool().run(
+            lambda conn: operations.audit_log(conn, self.q, limit), read_only=True
+        )
 
     def status_counts(self) -> list[tuple[str, str, int]]:
         rows = self._sync_pool().run(

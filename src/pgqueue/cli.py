@@ -24,6 +24,7 @@ from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .jobs import CancelResult
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
+from .operations import STATUSES as JOB_STATUSES
 from .producer import MAX_NESTING
 from .schedules_cli import schedules_command
 
@@ -201,26 +202,89 @@ def enqueue(
     click.echo(f"{job_id} (duplicate)" if job_id.duplicate else job_id)
 
 
+def filter_options(func: F) -> F:
+    """--task, --queue, --status (repeatable), --since, --older-than: which jobs."""
+    for option in reversed([
+        click.option("--task", default=None, help="Only jobs of this task."),
+        click.option("--queue", default=None, help="Only jobs of this queue."),
+        click.option("--status", "statuses", multiple=True, type=click.Choice(JOB_STATUSES),
+                     help="Only jobs in this status (repeatable)."),
+        click.option("--since", default=None, metavar="DURATION",
+                     help="Only jobs that finished (or were enqueued) within it: 1h, 7d, 90s."),
+        click.option("--older-than", default=None, metavar="DURATION",
+                     help="Only jobs that finished (or were enqueued) longer ago than it."),
+    ]):  # fmt: skip
+        func = option(func)
+    return func
+
+
+def _filter(
+    task: str | None, queue: str | None, statuses: tuple[str, ...], since: str | None,
+    older_than: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    return {"task": task, "queue": queue, "status": statuses or None, "since": since,
+            "older_than": older_than}  # fmt: skip
+
+
+def _bulk_or_one(job_id: int | None, filters: dict[str, Any], command: str) -> bool:
+    """True for a bulk action; exits with a usage error when both or neither are given."""
+    named = any(v for v in filters.values())
+    if job_id is not None and named:
+        raise click.UsageError(f"give a job id or filters to `pgqueue {command}`, not both")
+    if job_id is None and not named:
+        raise click.UsageError("give a job id, or filters (--task, --status, ...) for many")
+    return job_id is None
+
+
+def _report_bulk(action: str, count: int, dry_run: bool) -> None:
+    noun = "job" if count == 1 else "jobs"
+    click.echo(f"{count} {noun} would be {action}" if dry_run else f"{count} {noun} {action}")
+
+
 @main.command()
-@click.argument("job_id", type=JOB_ID)
+@click.argument("job_id", type=JOB_ID, required=False)
+@filter_options
+@click.option("--dry-run", is_flag=True, help="Only count the jobs the filters match.")
 @db_options
 @friendly_errors
-def requeue(job_id: int, dsn: str | None, schema: str) -> None:
-    """Run a dead or cancelled job again."""
-    if not make_app(dsn, schema).requeue(job_id):
+def requeue(
+    job_id: int | None, task: str | None, queue: str | None, statuses: tuple[str, ...],
+    since: str | None, older_than: str | None, dry_run: bool, dsn: str | None, schema: str,
+) -> None:  # fmt: skip
+    """Run a dead or cancelled job again, or every dead one (--status cancelled: cancelled)
+    that the filters match, in batches, recorded in `pgqueue audit`."""
+    filters = _filter(task, queue, statuses, since, older_than)
+    app = make_app(dsn, schema)
+    if _bulk_or_one(job_id, filters, "requeue"):
+        _report_bulk("requeued", app.requeue_jobs(**filters, dry_run=dry_run), dry_run)
+        return
+    assert job_id is not None
+    if not app.requeue(job_id):
         click.echo(f"error: job {job_id} does not exist or is not dead or cancelled", err=True)
         sys.exit(1)
     click.echo(f"job {job_id} requeued")
 
 
 @main.command()
-@click.argument("job_id", type=JOB_ID)
+@click.argument("job_id", type=JOB_ID, required=False)
+@filter_options
+@click.option("--dry-run", is_flag=True, help="Only count the jobs the filters match.")
 @db_options
 @friendly_errors
-def cancel(job_id: int, dsn: str | None, schema: str) -> None:
+def cancel(
+    job_id: int | None, task: str | None, queue: str | None, statuses: tuple[str, ...],
+    since: str | None, older_than: str | None, dry_run: bool, dsn: str | None, schema: str,
+) -> None:  # fmt: skip
     """Cancel a job: a waiting one at once, a running one by asking its worker to stop it (it
-    then ends cancelled, never retried)."""
-    result = make_app(dsn, schema).cancel(job_id)
+    then ends cancelled, never retried). With filters, every waiting job they match (add
+    --status running for running ones), in batches, recorded in `pgqueue audit`."""
+    filters = _filter(task, queue, statuses, since, older_than)
+    app = make_app(dsn, schema)
+    if _bulk_or_one(job_id, filters, "cancel"):
+        _report_bulk("cancelled", app.cancel_jobs(**filters, dry_run=dry_run), dry_run)
+        return
+    assert job_id is not None
+    result = app.cancel(job_id)
     if result is CancelResult.FINISHED:
         click.echo(f"error: job {job_id} had already finished", err=True)
         sys.exit(1)
@@ -228,6 +292,105 @@ def cancel(job_id: int, dsn: str | None, schema: str) -> None:
         click.echo(f"job {job_id}: cancel requested (it is running; its worker stops it)")
     else:
         click.echo(f"job {job_id} cancelled")
+
+
+@main.command("retry-now")
+@click.argument("job_id", type=JOB_ID)
+@db_options
+@friendly_errors
+def retry_now(job_id: int, dsn: str | None, schema: str) -> None:
+    """Run a retrying (or delayed) job now instead of at its run_at."""
+    if not make_app(dsn, schema).retry_now(job_id):
+        click.echo(f"error: job {job_id} is not waiting (queued or retrying)", err=True)
+        sys.exit(1)
+    click.echo(f"job {job_id} is due now")
+
+
+@main.command()
+@click.option(
+    "--older-than",
+    required=True,
+    metavar="DURATION",
+    help="Only jobs that finished longer ago than it: 7d, 12h.",
+)
+@click.option("--task", default=None, help="Only jobs of this task.")
+@click.option("--queue", default=None, help="Only jobs of this queue.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice(("succeeded", "dead", "cancelled")),
+    help="Finished status to delete (repeatable; default succeeded).",
+)
+@click.option("--dry-run", is_flag=True, help="Only count the jobs that would go.")
+@db_options
+@friendly_errors
+def purge(
+    older_than: str, task: str | None, queue: str | None, statuses: tuple[str, ...],
+    dry_run: bool, dsn: str | None, schema: str,
+) -> None:  # fmt: skip
+    """Delete finished jobs in batches (never a long lock), recorded in `pgqueue audit`."""
+    count = make_app(dsn, schema).purge_jobs(
+        older_than=older_than, task=task, queue=queue, status=statuses or None, dry_run=dry_run
+    )
+    _report_bulk("deleted", count, dry_run)
+
+
+@main.command()
+@filter_options
+@click.option("--limit", type=click.IntRange(1, 10_000), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@db_options
+@friendly_errors
+def jobs(
+    task: str | None, queue: str | None, statuses: tuple[str, ...], since: str | None,
+    older_than: str | None, limit: int, as_json: bool, dsn: str | None, schema: str,
+) -> None:  # fmt: skip
+    """Find jobs, newest first: a table, or JSON lines with --json."""
+    found = make_app(dsn, schema).find_jobs(
+        **_filter(task, queue, statuses, since, older_than), limit=limit
+    )
+    if as_json:
+        for j in found:
+            click.echo(json.dumps({k: getattr(j, k) for k in j.__dataclass_fields__}, default=str))
+        return
+    if not found:
+        click.echo("no jobs match")
+        return
+    click.echo(
+        f"{'id':>10}  {'status':<10} {'attempts':>8}  {'task':<24} {'queue':<16} when / error"
+    )
+    for j in found:
+        when = j.finished_at or j.created_at
+        error = f"  {j.error[:80]}" if j.error else ""
+        click.echo(
+            f"{j.id:>10}  {j.status:<10} {f'{j.attempts}/{j.max_attempts}':>8}  "
+            f"{j.task[:24]:<24} {j.queue[:16]:<16} {when.astimezone(UTC):%Y-%m-%d %H:%M:%S}"
+            f"{error}"
+        )
+
+
+@main.command()
+@click.option("--limit", type=click.IntRange(1, 10_000), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@db_options
+@friendly_errors
+def audit(limit: int, as_json: bool, dsn: str | None, schema: str) -> None:
+    """The newest bulk actions (requeue, cancel, purge by filter): who, when, what, how many."""
+    entries = make_app(dsn, schema).audit_log(limit)
+    if as_json:
+        for e in entries:
+            click.echo(json.dumps({k: getattr(e, k) for k in e.__dataclass_fields__}, default=str))
+        return
+    if not entries:
+        click.echo("no bulk actions yet")
+        return
+    for e in entries:
+        state = "dry run" if e.dry_run else ("done" if e.finished_at else "interrupted")
+        click.echo(
+            f"{e.at.astimezone(UTC):%Y-%m-%d %H:%M:%S}  {e.action:<8} {e.matched:>8}  {state:<11} "
+            f"{json.dumps(e.filter, sort_keys=True)}  by {e.actor}"
+        )
 
 
 @main.command()

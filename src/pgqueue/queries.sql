@@ -169,6 +169,110 @@ SELECT t.was, CASE WHEN t.was IN ('queued', 'retrying')
        (SELECT count(*) FROM changed)
 FROM target t
 
+-- name: find_jobs
+-- `pgqueue jobs`: the newest jobs matching a filter (each part NULL: any), newest first. "when"
+-- is when the job finished, or was enqueued if it has not. The error is its first line.
+SELECT id, task, queue, status::text, attempts, max_attempts, created_at, finished_at,
+       split_part(left(last_error, 2000), E'\n', 1)
+FROM {schema}.pgqueue_jobs
+WHERE (%(task)s::text IS NULL OR task = %(task)s)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+  AND (%(statuses)s::text[] IS NULL OR status::text = ANY(%(statuses)s::text[]))
+  AND (%(since)s::float8 IS NULL
+       OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))
+  AND (%(older_than)s::float8 IS NULL
+       OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: count_jobs
+-- A dry run: how many jobs a bulk action would change.
+SELECT count(*) FROM {schema}.pgqueue_jobs
+WHERE (%(task)s::text IS NULL OR task = %(task)s)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+  AND status::text = ANY(%(statuses)s::text[])
+  AND (%(since)s::float8 IS NULL
+       OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))
+  AND (%(older_than)s::float8 IS NULL
+       OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))
+
+-- name: bulk_batch
+-- One batch of a bulk action: up to %(batch)s matching jobs after id %(after)s, in id order,
+-- locked without waiting (a job being claimed or acked right now is skipped: the action's next
+-- run takes it), then changed by the action (bulk_requeue, bulk_cancel, bulk_purge below) and
+-- counted into the audit row, all in one short transaction: an interrupted action leaves every
+-- batch it finished done and recorded, and no lock held. Returns the last id looked at and how
+-- many changed; the caller goes on after that id until a batch comes back short.
+WITH picked AS (
+    SELECT id FROM {schema}.pgqueue_jobs
+    WHERE id > %(after)s
+      AND (%(task)s::text IS NULL OR task = %(task)s)
+      AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+      AND status::text = ANY(%(statuses)s::text[])
+      AND (%(since)s::float8 IS NULL
+           OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))
+      AND (%(older_than)s::float8 IS NULL
+           OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))
+    ORDER BY id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), requeued AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL, claimed_at = NULL,
+        started_at = NULL, result = NULL, cancel_requested_at = NULL, progress = NULL
+    FROM picked p WHERE j.id = p.id AND %(action)s = 'requeue'
+    RETURNING j.id, j.queue
+), cancelled AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = CASE WHEN j.status = 'running' THEN j.status ELSE 'cancelled' END,
+        finished_at = CASE WHEN j.status = 'running' THEN NULL ELSE now() END,
+        cancel_requested_at = now()
+    FROM picked p WHERE j.id = p.id AND %(action)s = 'cancel'
+    RETURNING j.id, j.status::text
+), purged AS (
+    DELETE FROM {schema}.pgqueue_jobs j USING picked p
+    WHERE j.id = p.id AND %(action)s = 'purge'
+    RETURNING j.id
+), changed AS (
+    SELECT id FROM requeued UNION ALL SELECT id FROM cancelled UNION ALL SELECT id FROM purged
+), audited AS (
+    UPDATE {schema}.pgqueue_audit SET matched = matched + (SELECT count(*) FROM changed)
+    WHERE id = %(audit)s
+)
+SELECT (SELECT max(id) FROM picked), (SELECT count(*) FROM changed),
+       (SELECT count(*) FROM picked),
+       ARRAY(SELECT DISTINCT queue FROM requeued),
+       (SELECT count(pg_notify({channel}, 'cancel,' || id)) FROM cancelled
+        WHERE status = 'running'),
+       (SELECT count(pg_notify({done_channel}, id::text)) FROM cancelled
+        WHERE status = 'cancelled')
+
+-- name: begin_audit
+INSERT INTO {schema}.pgqueue_audit (actor, action, filter, dry_run, matched, finished_at)
+VALUES (%(actor)s, %(action)s, %(filter)s::jsonb, %(dry_run)s, %(matched)s,
+        CASE WHEN %(dry_run)s THEN now() END)
+RETURNING id
+
+-- name: end_audit
+UPDATE {schema}.pgqueue_audit SET finished_at = now() WHERE id = %(id)s
+
+-- name: audit_log
+SELECT id, at, actor, action, filter, dry_run, matched, finished_at
+FROM {schema}.pgqueue_audit ORDER BY id DESC LIMIT %(limit)s
+
+-- name: retry_now
+-- A retrying (or queued, delayed) job runs now instead of at its run_at; the caller then wakes
+-- the queue's workers. Returns its status before (no row: no such job).
+WITH target AS (
+    SELECT id, status::text AS was FROM {schema}.pgqueue_jobs WHERE id = %(id)s FOR UPDATE
+), moved AS (
+    UPDATE {schema}.pgqueue_jobs j SET run_at = now()
+    FROM target t WHERE j.id = t.id AND t.was IN ('queued', 'retrying') AND j.run_at > now()
+    RETURNING j.id
+)
+SELECT t.was, j.queue, (SELECT count(*) FROM moved)
+FROM target t JOIN {schema}.pgqueue_jobs j ON j.id = t.id
+
 -- name: status_counts
 SELECT queue, status::text, count(*) FROM {schema}.pgqueue_jobs
 GROUP BY queue, status ORDER BY queue, status

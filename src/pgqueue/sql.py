@@ -111,6 +111,13 @@ class Queries:
     get_job: bytes
     requeue_job: bytes
     cancel_job: bytes
+    find_jobs: bytes
+    count_jobs: bytes
+    bulk_batch: bytes
+    begin_audit: bytes
+    end_audit: bytes
+    audit_log: bytes
+    retry_now: bytes
     status_counts: bytes
     pause_queue: bytes
     resume_queue: bytes
