@@ -12,7 +12,18 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from . import db, hooks, limits, operations, pools, producer, queues, results, schedules
+from . import (
+    db,
+    hooks,
+    limits,
+    operations,
+    pools,
+    producer,
+    queues,
+    results,
+    schedules,
+    workflows,
+)  # fmt: skip
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, JobNotFoundError, UnknownTaskError
@@ -384,6 +395,8 @@ class App:
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
         meta: Mapping[str, Any] | None = None,
+        after: Iterable[int] | None = None,
+        after_failure: str = "cancel",
     ) -> Enqueued:
         """Queue one job and return its id. With ``connection``, the job exists only if that
         connection's transaction commits. For a unique job (the task's ``unique``, or
@@ -409,6 +422,7 @@ class App:
             on_conflict=on_conflict,
             meta=meta,
         )
+        row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
             return producer.insert(connection, self.q, row)
         return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
@@ -431,6 +445,8 @@ class App:
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
         meta: Mapping[str, Any] | None = None,
+        after: Iterable[int] | None = None,
+        after_failure: str = "cancel",
     ) -> Enqueued:
         """``enqueue`` for async code, on this event loop's connections."""
         row = self._row(
@@ -449,6 +465,7 @@ class App:
             on_conflict=on_conflict,
             meta=meta,
         )
+        row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
             return await producer.insert_async(connection, self.q, row)
         pool = await self._async_pool()
@@ -638,6 +655,49 @@ class App:
             return await cur.fetchone()
 
         return _cancel_result(job, await pool.run(run))
+
+    # --- workflows (pgqueue.workflows) --------------------------------------------------------
+
+    def chain(
+        self, *steps: workflows.Signature, after_failure: str = "cancel",
+        connection: psycopg.Connection[Any] | None = None,
+    ) -> list[Enqueued]:  # fmt: skip
+        """Enqueue ``steps`` (``task.s(...)``) so that each runs after the one before it
+        succeeded; all written in one transaction. Returns their ids in order."""
+        if not steps:
+            raise InvalidJobError("chain() needs at least one step")
+        rows = [step.row(self, callback=i > 0) for i, step in enumerate(steps)]
+        failure = workflows.check_after_failure(after_failure)
+        if connection is not None:
+            with connection.transaction():
+                return workflows.chain(connection, self.q, rows, failure)
+
+        def write(conn: psycopg.Connection[Any]) -> list[Enqueued]:
+            with conn.transaction():
+                return workflows.chain(conn, self.q, rows, failure)
+
+        return self._sync_pool().run(write)
+
+    def group(
+        self, members: Iterable[workflows.Signature], *, then: workflows.Signature | None = None,
+        after_failure: str = "cancel", connection: psycopg.Connection[Any] | None = None,
+    ) -> workflows.Group:  # fmt: skip
+        """Enqueue ``members`` (any number) and, with ``then``, a callback that runs once every
+        member finished: it gets their results in order as its ``results`` argument. A member
+        that ends dead or cancelled cancels the callback unless ``after_failure="run"``."""
+        rows = [m.row(self) for m in members]
+        if not rows:
+            raise InvalidJobError("group() needs at least one member")
+        callback = None if then is None else then.row(self, callback=True)
+        failure = workflows.check_after_failure(after_failure)
+
+        def write(conn: psycopg.Connection[Any]) -> workflows.Group:
+            with conn.transaction():
+                return workflows.group(conn, self.q, rows, callback, failure)
+
+        if connection is not None:
+            return write(connection)
+        return self._sync_pool().run(write)
 
     # --- operators' bulk actions (pgqueue.operations) ---------------------------------------
 

@@ -421,7 +421,7 @@ def job(job_id: int, as_json: bool, dsn: str | None, schema: str) -> None:
             click.echo(f"{key}: {text}")
 
 
-STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled")
+STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled", "blocked")
 
 
 def echo_counts(counts: list[tuple[str, str, int]], states: dict[str, str] | None = None) -> None:

@@ -29,6 +29,8 @@ class Status(enum.StrEnum):
     SUCCEEDED = "succeeded"
     DEAD = "dead"
     CANCELLED = "cancelled"
+    #: Enqueued with ``after=``: waits until its parents finish (concepts/workflows.md).
+    BLOCKED = "blocked"
 
 
 READY = (Status.QUEUED, Status.RETRYING)

@@ -29,10 +29,10 @@ BATCH = 1000
 #: The statuses each action may touch, and the default when none is named.
 ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "requeue": (("dead", "cancelled"), ("dead",)),
-    "cancel": (("queued", "retrying", "running"), ("queued", "retrying")),
+    "cancel": (("queued", "retrying", "running", "blocked"), ("queued", "retrying", "blocked")),
     "purge": (("succeeded", "dead", "cancelled"), ("succeeded",)),
 }
-STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled")
+STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled", "blocked")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 

@@ -52,6 +52,10 @@ class JobRow:
     limit_key: str | None = None
     #: The caller's own data (configure(meta=...)), as JSON text; None: none.
     meta_json: str | None = None
+    #: Parent job ids (after=...): the job waits until they finish (concepts/workflows.md).
+    after: tuple[int, ...] | None = None
+    #: What a failed parent does to it: "cancel" (default) or "run".
+    after_failure: str = "cancel"
 
     def params(self) -> dict[str, Any]:
         return {
@@ -405,7 +409,16 @@ def _no_answer(row: JobRow) -> InvalidJobError:
     return InvalidJobError(_no_answer_text(str(row.unique_key)))
 
 
+def _child(row: JobRow, record: tuple[Any, ...] | None) -> Enqueued:
+    if record is None:
+        raise InvalidJobError(f"after={list(row.after or ())}: some parent job does not exist")
+    return Enqueued(record[0])
+
+
 def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enqueued:
+    if row.after is not None:
+        params = {**row.params(), "after": list(row.after), "after_failure": row.after_failure}
+        return _child(row, conn.execute(q.insert_child_job, params).fetchone())
     if row.unique_key is None:
         record = conn.execute(q.insert_job, row.params()).fetchone()
         assert record is not None
@@ -420,6 +433,10 @@ def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enqueued:
 
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobRow) -> Enqueued:
+    if row.after is not None:
+        params = {**row.params(), "after": list(row.after), "after_failure": row.after_failure}
+        cursor = await conn.execute(q.insert_child_job, params)
+        return _child(row, await cursor.fetchone())
     if row.unique_key is None:
         cursor = await conn.execute(q.insert_job, row.params())
         record = await cursor.fetchone()

@@ -15,6 +15,82 @@ VALUES (%(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
         %(meta)s::jsonb)
 RETURNING id
 
+-- name: insert_child_job
+-- A job that runs after others (after=[...], chains, group callbacks; migration 0015). Its
+-- parents are locked first (FOR UPDATE, in id order): a parent's ack waits for this transaction,
+-- then sees the dependency and releases the child (the trigger reads it in a newer snapshot),
+-- and a parent that finished before is seen finished here. So the child is counted against
+-- exactly the parents still unfinished, never released early, never forgotten. A parent already
+-- dead or cancelled cancels the child at once unless after_failure is 'run'. Every parent gets
+-- a dependency row (position: its place in after, for the results a callback receives); those
+-- unfinished are marked has_children. No row: some parent does not exist.
+WITH parents AS (
+    SELECT p.id, p.status::text AS status, a.ord
+    FROM (SELECT id, status FROM {schema}.pgqueue_jobs WHERE id = ANY(%(after)s::bigint[])
+          ORDER BY id FOR UPDATE) p
+    JOIN (SELECT DISTINCT ON (id) id, ord
+          FROM unnest(%(after)s::bigint[]) WITH ORDINALITY AS a(id, ord) ORDER BY id, ord) a
+      ON a.id = p.id
+), state AS (
+    SELECT count(*) FILTER (WHERE status NOT IN ('succeeded', 'dead', 'cancelled')) AS pending,
+           min(id) FILTER (WHERE status IN ('dead', 'cancelled')) AS failed,
+           count(*) AS found
+    FROM parents
+), child AS (
+    INSERT INTO {schema}.pgqueue_jobs
+        (queue, task, args, priority, run_at, max_attempts, limit_key, meta, status,
+         finished_at, last_error)
+    SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s,
+           COALESCE(%(run_at)s::timestamptz, now() + make_interval(secs => %(delay)s)),
+           %(max_attempts)s,
+           COALESCE(%(limit_key)s, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = %(task)s)),
+           %(meta)s::jsonb,
+           (CASE WHEN s.failed IS NOT NULL AND %(after_failure)s <> 'run' THEN 'cancelled'
+                 WHEN s.pending > 0 THEN 'blocked' ELSE 'queued' END)::{schema}.pgqueue_status,
+           CASE WHEN s.failed IS NOT NULL AND %(after_failure)s <> 'run' THEN now() END,
+           CASE WHEN s.failed IS NOT NULL AND %(after_failure)s <> 'run'
+                THEN 'ParentFailed: job ' || s.failed
+                     || ', which this job runs after, had already ended' END
+    FROM state s
+    WHERE s.found = cardinality(ARRAY(SELECT DISTINCT unnest(%(after)s::bigint[])))
+    RETURNING id, status::text
+), waits AS (
+    INSERT INTO {schema}.pgqueue_job_waits (child_id, waiting, failed_parent, after_failure)
+    SELECT c.id, s.pending, s.failed, %(after_failure)s
+    FROM child c, state s WHERE c.status = 'blocked'
+), deps AS (
+    INSERT INTO {schema}.pgqueue_job_deps (parent_id, child_id, position)
+    SELECT p.id, c.id, p.ord FROM parents p, child c
+), marked AS (
+    UPDATE {schema}.pgqueue_jobs j SET has_children = true
+    FROM parents p, child c
+    WHERE j.id = p.id AND c.status = 'blocked' AND NOT j.has_children
+      AND p.status NOT IN ('succeeded', 'dead', 'cancelled')
+)
+SELECT id, status FROM child
+
+-- name: insert_group_members
+-- A group's members in one chunk, returning their ids (in insertion order: identity values are
+-- drawn row by row). They are parents of the group's callback from birth: has_children.
+INSERT INTO {schema}.pgqueue_jobs
+    (queue, task, args, priority, run_at, max_attempts, limit_key, meta, has_children)
+SELECT d.queue, d.task, d.args::jsonb, d.priority, d.run_at, d.max_attempts,
+       COALESCE(d.limit_key, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = d.task)),
+       d.meta::jsonb, %(has_children)s
+FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::int[],
+            %(run_ats)s::timestamptz[], %(max_attempts)s::int[], %(limit_keys)s::text[],
+            %(metas)s::text[]) WITH ORDINALITY
+     AS d(queue, task, args, priority, run_at, max_attempts, limit_key, meta, ord)
+ORDER BY d.ord
+RETURNING id
+
+-- name: parent_results
+-- A callback's parents' results, in their order (its results argument).
+SELECT j.result FROM {schema}.pgqueue_job_deps d
+JOIN {schema}.pgqueue_jobs j ON j.id = d.parent_id
+WHERE d.child_id = %(id)s
+ORDER BY d.position
+
 -- name: insert_unique_job
 -- A unique job (concepts/uniqueness.md). PostgreSQL enforces the key: of two producers racing
 -- with one key, the second waits for the first's transaction and lands in ON CONFLICT, never

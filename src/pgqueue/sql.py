@@ -100,6 +100,9 @@ def _sections() -> dict[str, str]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Queries:
     insert_job: bytes
+    insert_child_job: bytes
+    insert_group_members: bytes
+    parent_results: bytes
     insert_unique_job: bytes
     insert_unique_jobs: bytes
     release_unique_keys: bytes

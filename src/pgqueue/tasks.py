@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_origin, get_type_hints
 
 import psycopg
 
-from . import producer
+from . import producer, workflows
 from .backoff import Backoff
 from .context import JobContext
 from .errors import ConfigurationError, InvalidJobError
@@ -87,6 +87,9 @@ class TaskOptions:
     unique_key: str | None = None
     #: The caller's own data for the job (configure(meta=...)).
     meta: Mapping[str, Any] | None = None
+    #: Parents: the job waits until they finish (configure(after=...)).
+    after: tuple[int, ...] | None = None
+    after_failure: str = "cancel"
 
 
 class Task(Generic[P, R]):
@@ -118,6 +121,9 @@ class Task(Generic[P, R]):
         #: Set when the handler takes a psycopg connection: its writes commit with the ack.
         self.connection_param = connection_parameter(func, self.is_async)
         self.signature = inspect.signature(func)
+        #: A parameter named ``results``: as a callback (app.group(then=...), a chain step) it
+        #: receives its parents' results, unless the job's own arguments give it.
+        self.wants_results = "results" in self.signature.parameters
         self.__doc__ = func.__doc__
         self.__wrapped__ = func
 
@@ -127,9 +133,12 @@ class Task(Generic[P, R]):
     def __repr__(self) -> str:
         return f"<Task {self.name!r} queue={self.options.queue!r}>"
 
-    def check_args(self, kwargs: dict[str, Any]) -> None:
-        """Refuse arguments the handler could never accept, at enqueue time."""
+    def check_args(self, kwargs: dict[str, Any], *, callback: bool = False) -> None:
+        """Refuse arguments the handler could never accept, at enqueue time. ``callback``: a
+        job that runs after others, whose ``results`` argument the worker fills."""
         params = dict(self.signature.parameters)
+        if callback and "results" not in kwargs:
+            params.pop("results", None)
         for filled_by_worker in (self.context_param, self.connection_param):
             if filled_by_worker:
                 params.pop(filled_by_worker, None)
@@ -153,6 +162,8 @@ class Task(Generic[P, R]):
         unique_for: float | timedelta | None = None,
         on_conflict: OnConflict | None = None,
         meta: Mapping[str, Any] | None = None,
+        after: Iterable[int] | None = None,
+        after_failure: str | None = None,
     ) -> ConfiguredTask[P]:
         """Per-call options; ``connection`` enqueues inside the caller's own transaction;
         ``unique_key`` (and the other ``unique`` options) make this call's job unique, or change
@@ -176,6 +187,9 @@ class Task(Generic[P, R]):
             producer.check_int("max_attempts", max_attempts, 1)
         if meta is not None:
             producer.serialize_meta(meta, self.app.max_payload_bytes)
+        parents = None if after is None else workflows.check_parents(after)
+        if after_failure is not None:
+            workflows.check_after_failure(after_failure)
         changes: dict[str, Any] = {
             k: v
             for k, v in {
@@ -186,6 +200,8 @@ class Task(Generic[P, R]):
                 "run_at": run_at,
                 "connection": connection,
                 "meta": meta,
+                "after": parents,
+                "after_failure": after_failure,
             }.items()
             if v is not None
         }
@@ -194,6 +210,13 @@ class Task(Generic[P, R]):
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
         return ConfiguredTask(self, self.options).enqueue(*args, **kwargs)
+
+    def s(self, *args: Any, **kwargs: Any) -> workflows.Signature:
+        """This task with these arguments, not enqueued yet: a step of ``app.chain`` or a member
+        (or callback) of ``app.group``."""
+        if args:
+            raise InvalidJobError("pass task arguments by keyword: they are stored as JSON by name")
+        return workflows.Signature(self, kwargs)
 
     async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         return await ConfiguredTask(self, self.options).enqueue_async(*args, **kwargs)
@@ -207,7 +230,7 @@ class ConfiguredTask(Generic[P]):
     def _kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if args:
             raise InvalidJobError("pass task arguments by keyword: they are stored as JSON by name")
-        self.task.check_args(kwargs)
+        self.task.check_args(kwargs, callback=self.options.after is not None)
         return kwargs
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
@@ -225,6 +248,8 @@ class ConfiguredTask(Generic[P]):
             run_at=o.run_at,
             connection=conn,
             meta=o.meta,
+            after=o.after,
+            after_failure=o.after_failure,
             **_unique_options(self.task, o),
         )
 
@@ -243,6 +268,8 @@ class ConfiguredTask(Generic[P]):
             run_at=o.run_at,
             connection=conn,
             meta=o.meta,
+            after=o.after,
+            after_failure=o.after_failure,
             **_unique_options(self.task, o),
         )
 

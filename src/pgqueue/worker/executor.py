@@ -206,6 +206,8 @@ class Executor:
         self.worker_id = worker_id
         self.threads = threads
         self.transactions = transactions
+        #: A callback's parents' results (parent_results), set by the runtime.
+        self.results_of: Callable[[int], Awaitable[list[Any]]] | None = None
 
     def context(self, job: ClaimedJob, lease_deadline: Callable[[], float]) -> JobContext:
         return JobContext(
@@ -314,6 +316,8 @@ class Executor:
         if task is None:
             raise TaskNotRegisteredError(f"no handler is registered for task {job.task!r}")
         kwargs = dict(job.args)
+        if task.wants_results and "results" not in kwargs and self.results_of is not None:
+            kwargs["results"] = await self.results_of(job.id)  # its parents', in their order
         if task.context_param:
             kwargs[task.context_param] = ctx or self.context(job, lease_deadline)
         call: Awaitable[tuple[Any, bool | None]]

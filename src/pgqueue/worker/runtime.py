@@ -237,6 +237,13 @@ class Worker:
             dsn, q, self.concurrency, connect_kwargs("handler"), lock_timeout=self.lease
         )
         self.executor = Executor(self.app, self.id, threads, self.transactions)
+
+        async def results_of(job_id: int) -> list[Any]:
+            async with pool.connection() as conn:
+                cur = await conn.execute(self.app.q.parent_results, {"id": job_id})
+                return [row[0] for row in await cur.fetchall()]
+
+        self.executor.results_of = results_of
         self.completer = Completer(
             ack_pool,
             q,

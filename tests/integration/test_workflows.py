@@ -1,0 +1,184 @@
+"""Jobs that run after other jobs: after=, chains and groups, with real workers and races."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+import pgqueue
+from tests.helpers import running_worker, wait_until_async
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+FAST = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 60.0, "reaper_interval": 1.0}
+
+
+def status(conn: Conn, job_id: int) -> str:
+    row = conn.execute("SELECT status::text FROM pgqueue_jobs WHERE id = %s", (job_id,))
+    found = row.fetchone()
+    assert found is not None
+    return str(found[0])
+
+
+async def test_a_child_waits_blocked_until_every_parent_succeeded(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    order: list[str] = []
+    gates = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    @app.task
+    async def parent(name: str) -> str:
+        await gates[name].wait()
+        order.append(name)
+        return name
+
+    @app.task
+    async def child() -> None:
+        order.append("child")
+
+    a = parent.enqueue(name="a")
+    b = parent.enqueue(name="b")
+    c = child.configure(after=[a, b]).enqueue()
+    assert status(conn, c) == "blocked"
+    async with running_worker(app, concurrency=4, **FAST):
+        gates["a"].set()
+        await wait_until_async(lambda: status(conn, a) == "succeeded", timeout=30)
+        await asyncio.sleep(0.3)
+        assert status(conn, c) == "blocked" and "child" not in order
+        gates["b"].set()
+        started = time.monotonic()
+        await wait_until_async(lambda: "child" in order, timeout=30)
+        assert time.monotonic() - started < 5  # released with the ack, not by a poll
+    assert order == ["a", "b", "child"]
+
+
+async def test_a_failed_parent_cancels_its_descendants_transitively_or_they_run_anyway(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(max_attempts=1)
+    async def breaks() -> None:
+        raise ValueError("no")
+
+    @app.task
+    async def step(n: int) -> int:
+        return n
+
+    root = breaks.enqueue()
+    first = step.configure(after=[root]).enqueue(n=1)
+    second = step.configure(after=[first]).enqueue(n=2)
+    regardless = step.configure(after=[root], after_failure="run").enqueue(n=3)
+    async with running_worker(app, **FAST):
+        assert await app.wait_async(regardless, timeout=30) == 3
+        await wait_until_async(lambda: status(conn, second) == "cancelled", timeout=30)
+    assert status(conn, first) == "cancelled"
+    job = app.get_job(second)
+    assert job is not None and "ParentFailed" in (job.last_error or "")
+    with pytest.raises(pgqueue.JobCancelledError):
+        app.wait(first, timeout=1)
+
+
+def test_parents_that_finished_before_count_as_finished(app: pgqueue.App, conn: Conn) -> None:
+    done = app.enqueue("x", {}, allow_unknown=True)
+    dead = app.enqueue("x", {}, allow_unknown=True)
+    conn.execute("UPDATE pgqueue_jobs SET status = 'succeeded' WHERE id = %s", (done,))
+    conn.execute("UPDATE pgqueue_jobs SET status = 'dead' WHERE id = %s", (dead,))
+    ready = app.enqueue("y", {}, after=[done], allow_unknown=True)
+    assert status(conn, ready) == "queued"
+    doomed = app.enqueue("y", {}, after=[done, dead], allow_unknown=True)
+    assert status(conn, doomed) == "cancelled"
+    with pytest.raises(pgqueue.InvalidJobError, match="some parent job does not exist"):
+        app.enqueue("y", {}, after=[done, 10**12], allow_unknown=True)
+    with pytest.raises(pgqueue.InvalidJobError, match="names no parent"):
+        app.enqueue("y", {}, after=[], allow_unknown=True)
+    with pytest.raises(pgqueue.InvalidJobError, match="after_failure"):
+        app.enqueue("y", {}, after=[done], after_failure="ignore", allow_unknown=True)
+
+
+def test_a_parent_acked_while_its_child_is_being_enqueued_releases_it(
+    app: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    """The race: the child's transaction locks the parent; the parent's ack waits for it, then
+    sees the child and releases it. Never a child blocked forever."""
+    parent = app.enqueue("p", {}, allow_unknown=True)
+    conn.execute(
+        "UPDATE pgqueue_jobs SET status = 'running', lease_token = gen_random_uuid() WHERE id = %s",
+        (parent,),
+    )
+    with psycopg.connect(dsn) as producer:  # a transaction left open by the caller
+        child = app.enqueue("c", {}, after=[parent], allow_unknown=True, connection=producer)
+        acked = threading.Event()
+
+        def ack() -> None:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute("UPDATE pgqueue_jobs SET status = 'succeeded' WHERE id = %s", (parent,))
+            acked.set()
+
+        thread = threading.Thread(target=ack)
+        thread.start()
+        time.sleep(0.3)
+        assert not acked.is_set()  # the ack waits for the child's transaction
+        producer.commit()
+        thread.join(10)
+    assert acked.is_set()
+    assert status(conn, child) == "queued"
+
+
+async def test_a_chain_runs_in_order_and_a_callback_gets_the_groups_results(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    ran: list[str] = []
+
+    @app.task
+    async def step(n: int) -> int:
+        ran.append(f"step{n}")
+        return n
+
+    @app.task
+    async def fetch(n: int) -> int:
+        ran.append("fetch")
+        return n * n
+
+    @app.task
+    async def total(results: list[int]) -> int:
+        ran.append("total")
+        return sum(results)
+
+    chained = app.chain(step.s(n=1), step.s(n=2), step.s(n=3))
+    assert [status(conn, j) for j in chained] == ["queued", "blocked", "blocked"]
+    grouped = app.group([fetch.s(n=n) for n in range(10)], then=total.s())
+    assert grouped.callback is not None and len(grouped.members) == 10
+    async with running_worker(app, concurrency=8, **FAST):
+        assert await app.wait_async(grouped.callback, timeout=60) == sum(n * n for n in range(10))
+        assert await app.wait_async(chained[-1], timeout=60) == 3
+    steps = [r for r in ran if r.startswith("step")]
+    assert steps == ["step1", "step2", "step3"]
+    assert ran.index("total") > max(i for i, r in enumerate(ran) if r == "fetch")
+
+
+@pytest.mark.slow
+async def test_a_group_of_100000_members_runs_its_callback_once(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    calls: list[int] = []
+
+    @app.task
+    async def noop(n: int) -> int:
+        return 1
+
+    @app.task
+    async def done(results: list[int]) -> int:
+        calls.append(len(results))
+        return sum(results)
+
+    started = time.monotonic()
+    grouped = app.group([noop.s(n=n) for n in range(100_000)], then=done.s())
+    enqueue_seconds = time.monotonic() - started
+    assert grouped.callback is not None
+    async with running_worker(app, concurrency=50, **FAST):
+        assert await app.wait_async(grouped.callback, timeout=600) == 100_000
+    assert calls == [100_000]
+    assert enqueue_seconds < 120
