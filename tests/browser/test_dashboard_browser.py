@@ -336,3 +336,28 @@ def test_a_running_jobs_progress_shows_as_a_bar_and_moves_without_reload(
     )
     expect(rows.nth(0).locator(".progress-label")).to_have_text("75%")
     assert page.evaluate("window.__marker") == 7
+
+
+def test_running_and_problem_jobs_show_how_many_jobs_they_wait_for_and_wait_for_them(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)
+    (running,) = conn.execute(
+        "SELECT id FROM pgqueue_jobs WHERE status = 'running' ORDER BY claimed_at, id LIMIT 1"
+    ).fetchone() or (None,)
+    (dead,) = conn.execute(
+        "SELECT id FROM pgqueue_jobs WHERE status = 'dead' ORDER BY finished_at DESC LIMIT 1"
+    ).fetchone() or (None,)
+    conn.execute(
+        "INSERT INTO pgqueue_job_deps (parent_id, child_id, position) VALUES"
+        " (%(r)s, 900001, 1), (%(r)s, 900002, 1), (%(d)s, %(r)s, 1), (%(d)s, 900003, 1)",
+        {"r": running, "d": dead},
+    )
+    conn.execute(
+        "UPDATE pgqueue_jobs SET has_children = true WHERE id IN (%s, %s)", (running, dead)
+    )
+    _open(page, base_url)
+    expect(page.locator("#running tr").nth(0).locator(".family")).to_have_text(
+        "after 1 job · 2 jobs wait"
+    )
+    expect(page.locator(f"#problems tr[data-job='{dead}'] .family")).to_have_text("2 jobs wait")

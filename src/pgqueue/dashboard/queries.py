@@ -71,13 +71,13 @@ async def read(
         running = [
             {"id": r[0], "task": r[1], "queue": r[2], "worker": r[3], "attempt": r[4],
              "max_attempts": r[5], "running_for": r[6], "lease_left": r[7], "args": r[8],
-             "progress": r[9]}
+             "progress": r[9], "parents": r[10], "children": r[11]}
             for r in await _all(conn, q["running_jobs"], {"limit": LIST_LIMIT})
         ]  # fmt: skip
         problems = [
             {"id": r[0], "task": r[1], "queue": r[2], "status": r[3], "attempts": r[4],
              "max_attempts": r[5], "error": r[6], "error_length": r[7], "when": r[8],
-             "args": r[9]}
+             "args": r[9], "parents": r[10], "children": r[11]}
             for r in await _all(conn, q["problems"], {"limit": LIST_LIMIT})
         ]  # fmt: skip
         dead, retrying = (await _all(conn, q["problem_counts"]))[0]

@@ -97,7 +97,11 @@ SELECT j.id, j.task, j.queue, j.worker_id::text, j.attempts, j.max_attempts,
        extract(epoch FROM COALESCE(j.lease_expires_at, w.lease_expires_at) - now())::float8,
        CASE WHEN pg_column_size(j.args) <= 2048 THEN left(j.args::text, 120)
             ELSE '… ' || pg_column_size(j.args) || ' bytes' END,
-       j.progress
+       j.progress,
+       (SELECT count(*) FROM {schema}.pgqueue_job_deps d WHERE d.child_id = j.id),
+       CASE WHEN j.has_children
+            THEN (SELECT count(*) FROM {schema}.pgqueue_job_deps d WHERE d.parent_id = j.id)
+            ELSE 0 END
 FROM {schema}.pgqueue_jobs j
 LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
 WHERE j.status = 'running'
@@ -112,16 +116,24 @@ LIMIT %(limit)s
         left(last_error, 300), COALESCE(length(last_error), 0),
         extract(epoch FROM finished_at - now())::float8,
         CASE WHEN pg_column_size(args) <= 2048 THEN left(args::text, 120)
-             ELSE '… ' || pg_column_size(args) || ' bytes' END
- FROM {schema}.pgqueue_jobs WHERE status = 'dead'
+             ELSE '… ' || pg_column_size(args) || ' bytes' END,
+        (SELECT count(*) FROM {schema}.pgqueue_job_deps d WHERE d.child_id = j.id),
+        CASE WHEN has_children
+             THEN (SELECT count(*) FROM {schema}.pgqueue_job_deps d WHERE d.parent_id = j.id)
+             ELSE 0 END
+ FROM {schema}.pgqueue_jobs j WHERE status = 'dead'
  ORDER BY finished_at DESC LIMIT %(limit)s)
 UNION ALL
 (SELECT id, task, queue, 'retrying' AS status, attempts, max_attempts,
         left(last_error, 300), COALESCE(length(last_error), 0),
         extract(epoch FROM run_at - now())::float8,
         CASE WHEN pg_column_size(args) <= 2048 THEN left(args::text, 120)
-             ELSE '… ' || pg_column_size(args) || ' bytes' END
- FROM {schema}.pgqueue_jobs WHERE status = 'retrying'
+             ELSE '… ' || pg_column_size(args) || ' bytes' END,
+        (SELECT count(*) FROM {schema}.pgqueue_job_deps d WHERE d.child_id = j.id),
+        CASE WHEN has_children
+             THEN (SELECT count(*) FROM {schema}.pgqueue_job_deps d WHERE d.parent_id = j.id)
+             ELSE 0 END
+ FROM {schema}.pgqueue_jobs j WHERE status = 'retrying'
  ORDER BY run_at LIMIT %(limit)s)
 
 -- name: problem_counts

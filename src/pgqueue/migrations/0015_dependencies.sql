@@ -15,6 +15,23 @@ CREATE TABLE {schema}.pgqueue_job_deps (
 );
 CREATE INDEX pgqueue_job_deps_child_idx ON {schema}.pgqueue_job_deps (child_id, position);
 
+-- Roles that may read the jobs (the dashboard's SELECT-only role, docs/dashboard.md) may read
+-- which job waits for which: the dashboard shows those counts, and an upgrade must not break it.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
+             WHERE table_schema = (SELECT relnamespace::regnamespace::name FROM pg_class
+                                   WHERE oid = '{schema}.pgqueue_jobs'::regclass)
+                   AND table_name = 'pgqueue_jobs'
+                   AND privilege_type = 'SELECT' AND grantee <> current_user
+    LOOP
+        EXECUTE format('GRANT SELECT ON {schema}.pgqueue_job_deps TO %I', r.grantee);
+    END LOOP;
+END;
+$$;
+
 -- A blocked child's count of unfinished parents, the first parent that ended dead or
 -- cancelled, and what that does to it ('cancel', or 'run' anyway). Kept out of pgqueue_jobs:
 -- a group's callback is counted down once per member (100,000 times for 100,000 members), and

@@ -213,6 +213,14 @@
     return box;
   }
 
+  // after= links: how many jobs this one runs after, and how many wait for it.
+  function family(r) {
+    const parts = [];
+    if (r.parents) parts.push("after " + fmtInt(r.parents) + (r.parents === 1 ? " job" : " jobs"));
+    if (r.children) parts.push(fmtInt(r.children) + (r.children === 1 ? " job waits" : " jobs wait"));
+    return el("span", "family", parts.join(" · "));
+  }
+
   function renderRunning(rows) {
     const body = $("running");
     if (!rows.length) { body.replaceChildren(emptyRow(7, "Nothing is running right now")); return; }
@@ -220,6 +228,7 @@
       const tr = el("tr");
       const task = cell(r.task); task.append(el("span", "args mono", r.args));
       if (r.progress) task.append(progressBar(r.progress));
+      if (r.parents || r.children) task.append(family(r));
       const running = cell("", "num running-for"); running.dataset.base = String(r.running_for);
       const lease = cell("", "num lease"); lease.dataset.base = String(r.lease_left);
       tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), cell(shortId(r.worker), "mono"),
@@ -250,6 +259,7 @@
       const tr = el("tr");
       tr.dataset.job = String(r.id);
       const task = cell(r.task); task.append(el("span", "args mono", r.args));
+      if (r.parents || r.children) task.append(family(r));
       const status = el("span", "pill " + r.status, r.status);
       const attempts = cell(r.attempts + " / " + r.max_attempts + " ", "num"); attempts.append(status);
       const details = el("details", "error");
