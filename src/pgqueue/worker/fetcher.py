@@ -380,7 +380,11 @@ class Fetcher:
             return None
         limited = bool(row[1])
         if limited and not self.limited:
+            # Limited jobs this worker did not claim for: claim now. The look is made after a
+            # short claim, when the loop is about to wait, and the NOTIFY of their enqueue woke
+            # that very claim: without this they waited for the poll.
             self._limited_dry = False
+            self._notified = True
         self.limited = limited
         return None if row[0] is None else max(float(row[0]), 0.0)
 
