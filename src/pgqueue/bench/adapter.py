@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -31,6 +31,24 @@ FROM generate_series(1, %(count)s) AS g
 """
 
 
+#: The task of the "limits" workload's per-key drain: the no-op task, one job per key at a time
+#: over ``LIMIT_KEYS`` keys (``seq`` modulo the count, so consecutive jobs have different keys).
+#: Its workers declare it when their ``--config`` says ``limit_keys``; the runner enqueues its
+#: jobs through an ``App`` that declares it the same way (``declare_keyed``).
+KEYED_TASK = "noop_keyed"
+LIMIT_KEYS = 1_000
+
+
+def limit_key(args: Mapping[str, Any]) -> object:
+    return int(args["seq"]) % LIMIT_KEYS
+
+
+def declare_keyed(app: pgqueue.App, run: Callable[[int], Awaitable[None]]) -> None:
+    @app.task(name=KEYED_TASK, limit=1, limit_key=limit_key)
+    async def noop_keyed(seq: int) -> None:
+        await run(seq)
+
+
 class PgqueueAdapter:
     name = "pgqueue"
     version = pgqueue.__version__
@@ -47,24 +65,17 @@ class PgqueueAdapter:
 
         # The "unique jobs" variant: the same jobs, each with a key of its own (never a duplicate).
         unique = os.environ.get("PGQUEUE_BENCH_UNIQUE") == "1"
-        # The per-key limit of the "limits" workload: one job per key at a time, over this many
-        # keys (``seq`` modulo the count, so consecutive jobs have different keys).
-        keys = int(os.environ.get("PGQUEUE_BENCH_LIMIT_KEYS") or 0)
 
-        def limit_key(args: Mapping[str, Any]) -> object:
-            return int(args["seq"]) % keys
-
-        @self.app.task(
-            unique=True if unique else None,
-            limit=1 if keys else None,
-            limit_key=limit_key if keys else None,
-        )
+        @self.app.task(unique=True if unique else None)
         async def noop(seq: int) -> None:
-            self.on_start(seq)
-            if self.sleep:
-                await asyncio.sleep(self.sleep)
+            await self.run(seq)
 
         self.noop = noop
+
+    async def run(self, seq: int) -> None:
+        self.on_start(seq)
+        if self.sleep:
+            await asyncio.sleep(self.sleep)
 
     async def open(self, dsn: str) -> None:
         self.app.dsn = dsn
@@ -97,6 +108,8 @@ class PgqueueAdapter:
         }
         if options.config.get("keep_small"):
             config["retention"] = 10.0  # succeeded jobs are pruned after 10 s
+        if options.config.get("limit_keys"):
+            declare_keyed(self.app, self.run)
         worker = self.app.worker(**config)
         running = asyncio.create_task(worker.run())
         stop = asyncio.create_task(options.stop.wait())

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from ..sql import queries
 from . import workloads
+from .adapter import LIMIT_KEYS
 from .processes import (
     CpuMeter,
     Databases,
@@ -83,7 +84,7 @@ DELAYED = [
 ]
 LIMITS = [
     Metric("plain_rate", "jobs/s, no limit", "{:,.0f}", HIGHER),
-    Metric("key_rate", f"jobs/s, limit=1 per key, {workloads.LIMIT_KEYS:,} keys", "{:,.0f}",
+    Metric("key_rate", f"jobs/s, limit=1 per key, {LIMIT_KEYS:,} keys", "{:,.0f}",
            HIGHER),
     Metric("key_vs_plain", "per-key limit / no limit (median)", "{:.2f}x", HIGHER),
     Metric("queue_rate", "jobs/s, queue limit = concurrency", "{:,.0f}", HIGHER),

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,15 +126,17 @@ async def drain(
     concurrency: int,
     sleep_ms: float = 0.0,
     remaining_sql: str | None = None,
+    **work_config: Any,
 ) -> dict[str, float | None]:
     """Start workers on ``jobs`` waiting jobs and time them over the middle 90 %. The jobs left
-    are counted by ``remaining_sql`` (default: the system's own count of unfinished jobs)."""
+    are counted by ``remaining_sql`` (default: the system's own count of unfinished jobs);
+    ``work_config`` goes to the workers' ``--config``."""
     from contextlib import AsyncExitStack
 
     remaining = (remaining_sql or system.remaining_sql).encode()
     args = ["--concurrency", str(concurrency), "--sleep-ms", str(sleep_ms)]
     async with AsyncExitStack() as stack:
-        workers = await _start_workers(ctx, system, dsn, processes, args, stack)
+        workers = await _start_workers(ctx, system, dsn, processes, args, stack, **work_config)
         pids = [w.proc.pid for w in workers]
         with psycopg.connect(dsn, autocommit=True) as conn:
             poller = conn.info.backend_pid
@@ -286,41 +288,62 @@ async def delayed(
     }
 
 
-#: The per-key limit of the ``limits`` workload: ``limit=1`` per key over this many keys.
-LIMIT_KEYS = 1_000
+def _fill_keyed(dsn: str, jobs: int) -> None:
+    """``jobs`` jobs of the adapter's per-key task, in bulk calls as ``_fill`` makes them (from
+    here: the adapter's enqueue role knows only the plain task)."""
+    import pgqueue
+
+    from .adapter import KEYED_TASK, declare_keyed
+
+    async def never(seq: int) -> None:  # the runner only enqueues
+        raise AssertionError
+
+    app = pgqueue.App(dsn)
+    declare_keyed(app, never)
+    try:
+        for start in range(0, jobs, FILL_BATCH):
+            stop = min(start + FILL_BATCH, jobs)
+            app.enqueue_many([(KEYED_TASK, {"seq": seq}) for seq in range(start, stop)])
+    finally:
+        app.close()
+
+
+def _limit_queue(dsn: str, limit: int) -> None:
+    import pgqueue
+
+    app = pgqueue.App(dsn)
+    try:
+        app.limit_queue(app.default_queue, limit=limit)
+    finally:
+        app.close()
 
 
 async def _drain_limited(
     ctx: Context, system: System, jobs: int, concurrency: int, limit: str
 ) -> dict[str, float | None]:
     """One burn-down of ``jobs`` no-op jobs by one worker, in a fresh database: without limits
-    (``limit`` "none"), with the task limited to one job per key over ``LIMIT_KEYS`` keys
-    ("key"), or with the queue limited to ``concurrency`` jobs at once ("queue", set through
-    ``App.limit_queue`` after the fill, before the worker starts)."""
-    import pgqueue
-
-    if limit == "key":
-        system = replace(system, env={**system.env, "PGQUEUE_BENCH_LIMIT_KEYS": str(LIMIT_KEYS)})
+    (``limit`` "none"), of the adapter's task limited to one job per key over
+    ``adapter.LIMIT_KEYS`` keys ("key"), or with the queue limited to ``concurrency`` jobs at
+    once ("queue", set through ``App.limit_queue`` after the fill, before the worker starts)."""
     with ctx.databases.fresh() as dsn:
         await _install(ctx, system, dsn)
-        await _fill(ctx, system, dsn, jobs)
+        if limit == "key":
+            await asyncio.to_thread(_fill_keyed, dsn, jobs)
+        else:
+            await _fill(ctx, system, dsn, jobs)
         if limit == "queue":
-            app = pgqueue.App(dsn)
-            try:
-                app.limit_queue(app.default_queue, limit=concurrency)
-            finally:
-                app.close()
+            await asyncio.to_thread(_limit_queue, dsn, concurrency)
         _vacuum(dsn)
-        return await drain(ctx, system, dsn, jobs, 1, concurrency)
+        return await drain(ctx, system, dsn, jobs, 1, concurrency, limit_keys=limit == "key")
 
 
 async def limits(
     ctx: Context, system: System, jobs: int, concurrency: int
 ) -> dict[str, float | None]:
     """The same burn-down three ways, each in a fresh database: no limit, ``limit=1`` per key
-    over ``LIMIT_KEYS`` keys, and a queue limit equal to the worker's concurrency (issue 18:
-    each within 15 % of the drain without limits). The order of the three rotates from one
-    repetition to the next; the ratios are each repetition's own (pgqueue only)."""
+    over ``adapter.LIMIT_KEYS`` keys, and a queue limit equal to the worker's concurrency
+    (issue 18: each within 15 % of the drain without limits). The order of the three rotates
+    from one repetition to the next; the ratios are each repetition's own (pgqueue only)."""
     if system.family != "pgqueue":
         raise ValueError(f"the limits workload runs pgqueue only, not {system.label}")
     order = ["none", "key", "queue"]
