@@ -102,6 +102,8 @@ class Completer:
         self.writes = 0
         #: The last write said someone waits for results (complete_jobs' second column).
         self.awaited = False
+        #: True when no handler runs and none is buffered: no outcome is coming soon.
+        self.idle: Callable[[], bool] = lambda: False
 
     def submit(self, outcome: Outcome) -> None:
         self.pending.append(outcome)
@@ -120,7 +122,10 @@ class Completer:
                 await self._has_work.wait()
             if self._stopped or stopping.is_set():
                 return
-            if self.pending and len(self.pending) < self.batch_size:
+            if self.pending and len(self.pending) < self.batch_size and not self.idle():
+                # Wait a moment for company, unless no handler is running to give any: a worker
+                # whose slots all wait for these acks (a limit equal to its concurrency frees
+                # its slots only when they are written) would wait for nothing.
                 await asyncio.sleep(self.flush_interval)
             await self.flush_once()
 

@@ -57,6 +57,10 @@ class Notifier:
         self.connect_kwargs = connect_kwargs
         self.poll_interval = poll_interval
         self.listening = asyncio.Event()
+        #: Backends of this worker's own pool that sent wake-ups (wake_waiting_workers): their
+        #: notifications are for other workers. (A pid reused by another process's backend
+        #: would cost that process's notifications a poll interval: the poll is the safety.)
+        self.own_pids: set[int] = set()
         self.reconnects = 0
         self.waiting = False  # what the fetcher wants producers to know
         self.announced = False  # what they know: the lock is held on the connection
@@ -143,6 +147,8 @@ class Notifier:
 
         async def consume() -> None:
             async for notify in conn.notifies(timeout=timeout):
+                if notify.pid in self.own_pids:
+                    continue  # this worker's own wake-up of others: it knows already
                 if notify.payload.startswith(CANCEL_PREFIX):
                     self.on_cancel(notify.payload[len(CANCEL_PREFIX) :])
                 elif self.queues is None or notify.payload in self.queues:

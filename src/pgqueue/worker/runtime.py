@@ -252,6 +252,7 @@ class Worker:
             on_given_up=self._on_given_up,
             flush_interval=self.flush_interval,
         )
+        self.completer.idle = lambda: state.running == 0 and not state.buffer
         self.fetcher = Fetcher(
             pool,
             q,
@@ -284,7 +285,7 @@ class Worker:
             interval=self.reaper_interval,
             lease=self.lease,
             retention=self.retention,
-            wake=self.wake,
+            wake=self._wake_reaped,
         )
         self.notifier = Notifier(
             dsn,
@@ -540,6 +541,12 @@ class Worker:
         except Exception as exc:
             log.debug("could not announce finished jobs (%s); waiters will look", exc)
 
+    def _wake_reaped(self, queues: list[str]) -> None:
+        """Reaped jobs are work for this worker too: its own notification is ignored (see the
+        notifier's own_pids), so it is told here."""
+        self.fetcher.notify()
+        self.wake(queues)
+
     async def _wake(self, queues: list[str]) -> None:
         try:
             async with self.pool.connection() as conn:
@@ -548,6 +555,7 @@ class Worker:
             log.debug("could not wake waiting workers (%s); the poll will find the jobs", exc)
 
     async def _wake_now(self, conn: psycopg.AsyncConnection[Any], queues: list[str]) -> None:
+        self.notifier.own_pids.add(conn.info.backend_pid)
         await conn.execute(self.app.q.wake_waiting_workers, {"queues": sorted(set(queues))})
 
     # --- per job --------------------------------------------------------------------------
