@@ -182,3 +182,47 @@ async def test_a_group_of_100000_members_runs_its_callback_once(
         assert await app.wait_async(grouped.callback, timeout=600) == 100_000
     assert calls == [100_000]
     assert enqueue_seconds < 120
+
+
+async def test_a_parents_retry_does_not_release_its_child_and_its_success_does(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    ran: list[str] = []
+
+    @app.task(max_attempts=3, backoff=pgqueue.Backoff(base=0.05, cap=0.05))
+    async def flaky(ctx: pgqueue.JobContext) -> None:
+        ran.append(f"flaky{ctx.attempt}")
+        if ctx.attempt == 1:
+            raise RuntimeError("first try fails")
+
+    @app.task
+    async def after_it() -> None:
+        ran.append("child")
+
+    parent = flaky.enqueue()
+    child = after_it.configure(after=[parent]).enqueue()
+    async with running_worker(app, **{**FAST, "poll_interval": 0.2}):
+        await wait_until_async(lambda: status(conn, child) == "succeeded", timeout=30)
+    assert ran == ["flaky1", "flaky2", "child"]
+
+
+async def test_a_dead_group_member_cancels_the_callback_or_it_runs_with_the_gap(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    @app.task(max_attempts=1)
+    async def member(n: int) -> int:
+        if n == 2:
+            raise ValueError("member 2 fails")
+        return n
+
+    @app.task
+    async def collect(results: list[Any]) -> list[Any]:
+        return results
+
+    strict = app.group([member.s(n=n) for n in range(4)], then=collect.s())
+    lenient = app.group([member.s(n=n) for n in range(4)], then=collect.s(), after_failure="run")
+    assert strict.callback is not None and lenient.callback is not None
+    async with running_worker(app, concurrency=4, **FAST):
+        with pytest.raises(pgqueue.JobCancelledError):
+            await app.wait_async(strict.callback, timeout=30)
+        assert await app.wait_async(lenient.callback, timeout=30) == [0, 1, None, 3]
