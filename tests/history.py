@@ -6,6 +6,10 @@ run of real worker processes plain SQL can decide what happened.
 - ``history_transitions``: written by a trigger on every status change of a job, with the old
   and new lease token, the old lease expiry (the job's own, else its worker's) and the new
   error, so a re-run can be matched to the reap of the lease before it.
+- ``history_leases``: written by a trigger on every change into and out of ``running`` (a lease
+  starts, a lease ends), with the job's task, limit group and queue, the claim's ``claimed_at``
+  and the database clock, so a sweep can count what held a lease in each limit group at any
+  moment, and the starts in any window of a rate's period (``lease_events``).
 
 A lease token is per claim statement, shared by the jobs of that claim: match attempts on
 (job, token), never on the token alone.
@@ -135,6 +139,50 @@ DROP TRIGGER IF EXISTS history_transitions ON pgqueue_jobs;
 CREATE TRIGGER history_transitions AFTER UPDATE ON pgqueue_jobs
     FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status)
     EXECUTE FUNCTION history_log_transition();
+-- Every lease's start (a row entering 'running': a claim) and end (leaving it, or deleted while
+-- in it: an ack, a reap, a release), the slots of a limit. 'at' is the clock when the row
+-- changed: after the statement's snapshot, and before its commit. So a start that a claim
+-- could only make after seeing an end committed is logged after that end, and a sweep in 'at'
+-- order never shows two leases at once that never were. 'stmt_at' (the statement's start,
+-- before its snapshot) places the start against changes of a limit made meanwhile;
+-- 'claimed_at' is the claim's now(), which the rate log counts.
+CREATE TABLE IF NOT EXISTS history_leases (
+    seq         bigserial PRIMARY KEY,
+    job_id      bigint NOT NULL,
+    task        text NOT NULL,
+    limit_key   text,
+    queue       text NOT NULL,
+    event       text NOT NULL CHECK (event IN ('start', 'end')),
+    lease_token uuid,
+    worker_id   uuid,
+    claimed_at  timestamptz,
+    stmt_at     timestamptz NOT NULL DEFAULT statement_timestamp(),
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE OR REPLACE FUNCTION history_log_lease() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND NEW.status = 'running' THEN
+        INSERT INTO history_leases
+            (job_id, task, limit_key, queue, event, lease_token, worker_id, claimed_at)
+        VALUES (NEW.id, NEW.task, NEW.limit_key, NEW.queue, 'start', NEW.lease_token,
+                NEW.worker_id, NEW.claimed_at);
+    ELSE
+        INSERT INTO history_leases
+            (job_id, task, limit_key, queue, event, lease_token, worker_id)
+        VALUES (OLD.id, OLD.task, OLD.limit_key, OLD.queue, 'end', OLD.lease_token,
+                OLD.worker_id);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+DROP TRIGGER IF EXISTS history_leases ON pgqueue_jobs;
+CREATE TRIGGER history_leases AFTER UPDATE ON pgqueue_jobs
+    FOR EACH ROW WHEN ((OLD.status = 'running') IS DISTINCT FROM (NEW.status = 'running'))
+    EXECUTE FUNCTION history_log_lease();
+DROP TRIGGER IF EXISTS history_leases_deleted ON pgqueue_jobs;
+CREATE TRIGGER history_leases_deleted AFTER DELETE ON pgqueue_jobs
+    FOR EACH ROW WHEN (OLD.status = 'running')
+    EXECUTE FUNCTION history_log_lease();
 """
 
 
@@ -163,6 +211,53 @@ def duplicate_unique_jobs(conn: Conn) -> int:
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+@dataclass(frozen=True)
+class LeaseEvent:
+    """A lease's start or end, from ``history_leases``."""
+
+    job_id: int
+    task: str
+    limit_key: str | None
+    queue: str
+    event: str  # 'start' | 'end'
+    lease_token: UUID | None
+    claimed_at: datetime | None  # a start's claim now(), what rates count
+    stmt_at: datetime
+    at: datetime
+
+
+def lease_events(conn: Conn) -> list[LeaseEvent]:
+    """Every lease start and end, in the order of the clock when each row changed (an end
+    before a start logged at the same microsecond: a claim that saw the end could only have
+    been logged after it)."""
+    return [
+        LeaseEvent(*row)
+        for row in conn.execute(
+            "SELECT job_id, task, limit_key, queue, event, lease_token, claimed_at, stmt_at, at"
+            " FROM history_leases ORDER BY at, event = 'start', seq"
+        ).fetchall()
+    ]
+
+
+def running_without_lease(conn: Conn, queues: list[str]) -> list[tuple[int, str, str | None]]:
+    """(job, task, limit group) of each job of a limit group, or of one of ``queues``, that is
+    still 'running' although nobody holds its lease: neither the job's own lease
+    (lease_expires_at, set when its worker gave it up) nor its worker's is live. Each holds a
+    slot that only a reaper can free."""
+    return [
+        (int(job_id), str(task), limit_key)
+        for job_id, task, limit_key in conn.execute(
+            "SELECT j.id, j.task, j.limit_key FROM pgqueue_jobs j"
+            " WHERE j.status = 'running' AND (j.limit_key IS NOT NULL OR j.queue = ANY(%s))"
+            "   AND NOT coalesce(j.lease_expires_at >= clock_timestamp(), EXISTS ("
+            "       SELECT FROM pgqueue_workers w"
+            "       WHERE w.id = j.worker_id AND w.lease_expires_at >= clock_timestamp()))"
+            " ORDER BY j.id",
+            (queues,),
+        ).fetchall()
+    ]
 
 
 @dataclass(frozen=True)

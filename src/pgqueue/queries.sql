@@ -742,12 +742,19 @@ FROM queues q
 -- from lock_limit_groups: a queue paused or limited since then waits for the next claim). Rows are
 -- locked as the groups' scans find them (SKIP LOCKED); those the batch leaves out stay locked
 -- until the transaction ends, a few milliseconds.
+-- Clocks: the claim's transaction began before the walk, and a claimer can stall between the two
+-- (a GC pause, a blocked event loop, SIGSTOP) while it holds the group's lock. So the rate window
+-- is judged at this statement's start (statement_timestamp(), never now(), the transaction's),
+-- claimed_at is that time too, and the starts are logged with clock_timestamp(), taken after the
+-- rows were claimed: a later claim's window then always covers them (the fault suite found the
+-- rate exceeded when both were now()). Due rows are still those due at the transaction's start.
 -- Slots are counted in `held`: one pass over the running jobs that have a limit group or are in
 -- a locked queue (bounded by the fleet's concurrency), counted per group and per queue at once
 -- (GROUPING SETS; rows of neither kind get the key '', which no group has) into a jsonb object
 -- that each group looks up by name (an uncorrelated subquery: it runs once per claim). A count
--- per group (a subquery each) was at the planner's mercy, as in lock_limit_groups (see there). A queue that lost its limits since lock_limit_groups is
--- claimed from with the batch as its budget. A group's rate log is read only if it has a rate,
+-- per group (a subquery each) was at the planner's mercy, as in lock_limit_groups (see there).
+-- A queue that lost its limits since lock_limit_groups is claimed from with the batch as its
+-- budget. A group's rate log is read only if it has a rate,
 -- and starts are logged only for such groups: `rated` is materialised, so the log's join with
 -- the claimed jobs reads an empty set when no group has one (joined with every group, it cost
 -- 4 of a 7 ms claim of 200 jobs from 200 groups).
@@ -764,7 +771,7 @@ WITH grp (ord, what, key, lim, rate_limit, rate_period, name) AS (
     FROM {schema}.pgqueue_queues q
     WHERE q.name = ANY(%(lq)s::text[]) AND NOT q.paused
 ),
-budget AS (
+bud AS (
     SELECT g.*, least(%(limit)s, g.lim - COALESCE(((
             SELECT jsonb_object_agg(k, n) FROM (
                 SELECT coalesce('t:' || length(task) || ':' || task || ':' || limit_key,
@@ -777,60 +784,60 @@ budget AS (
             SELECT COALESCE(sum(x.c), 0)
             FROM {schema}.pgqueue_rates rt, unnest(rt.times, rt.counts) x(at, c)
             WHERE g.rate_limit IS NOT NULL AND rt.name = g.name
-                  AND x.at > now() - make_interval(secs => g.rate_period))
-    ) AS budget
+                  AND x.at > statement_timestamp() - make_interval(secs => g.rate_period))
+    ) AS room
     FROM grp g
 ),
-rated AS MATERIALIZED (SELECT * FROM budget WHERE rate_limit IS NOT NULL),
+rated AS MATERIALIZED (SELECT * FROM bud WHERE rate_limit IS NOT NULL),
 cand AS (
-    SELECT c.*, b.ord, b.what FROM budget b, LATERAL (
+    SELECT c.*, b.ord, b.what FROM bud b, LATERAL (
         SELECT j.id, j.queue, j.priority, j.run_at FROM {schema}.pgqueue_jobs j
         WHERE j.status IN ('queued', 'retrying') AND j.task = b.what
               AND j.limit_key = b.key AND j.run_at <= now()
               AND (%(queues)s::text[] IS NULL OR j.queue = ANY(%(queues)s::text[]))
               AND j.queue <> ALL(%(blocked)s::text[])
         ORDER BY j.priority DESC, j.run_at, j.id
-        LIMIT greatest(b.budget, 0)
+        LIMIT greatest(b.room, 0)
         FOR UPDATE SKIP LOCKED
     ) c
     WHERE b.ord > 0
     UNION ALL
-    SELECT c.*, 0, b.what FROM budget b, LATERAL (
+    SELECT c.*, 0, b.what FROM bud b, LATERAL (
         SELECT j.id, j.queue, j.priority, j.run_at FROM {schema}.pgqueue_jobs j
         WHERE j.status IN ('queued', 'retrying') AND j.queue = b.what AND j.run_at <= now()
               AND j.limit_key IS NULL AND j.task = ANY((SELECT %(tasks)s::text[])::text[])
         ORDER BY j.priority DESC, j.run_at, j.id
-        LIMIT greatest(b.budget, 0)
+        LIMIT greatest(b.room, 0)
         FOR UPDATE SKIP LOCKED
     ) c
     WHERE b.ord = 0
 ),
 taken AS (
     SELECT r.id FROM (
-        SELECT r.*, row_number() OVER (PARTITION BY r.queue ORDER BY r.turn, r.ord) AS in_queue
+        SELECT r.*, row_number() OVER (PARTITION BY r.queue ORDER BY r.tu, r.ord) AS nq
         FROM (SELECT c.*, row_number() OVER (PARTITION BY c.ord, c.what
-                                             ORDER BY c.priority DESC, c.run_at, c.id) AS turn
+                                             ORDER BY c.priority DESC, c.run_at, c.id) AS tu
               FROM cand c) r
     ) r
-    LEFT JOIN budget b ON b.ord = 0 AND b.what = r.queue
-    WHERE b.what IS NULL OR r.in_queue <= b.budget
-    ORDER BY r.turn, r.ord
+    LEFT JOIN bud b ON b.ord = 0 AND b.what = r.queue
+    WHERE b.what IS NULL OR r.nq <= b.room
+    ORDER BY r.tu, r.ord
     LIMIT %(limit)s
 ),
 claimed AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
-        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = statement_timestamp(), started_at = NULL
     WHERE j.id = ANY(ARRAY(SELECT id FROM taken))
       AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
                   WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
     RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
-              extract(epoch FROM now() - j.run_at)::float8 AS wait,
+              extract(epoch FROM now() - j.run_at)::float8 AS w,
               j.priority, j.run_at, j.meta
 ),
 logged AS (
     INSERT INTO {schema}.pgqueue_rates AS rt (name, period, times, counts)
-    SELECT b.name, b.rate_period, ARRAY[now()], ARRAY[count(*)::int]
+    SELECT b.name, b.rate_period, ARRAY[clock_timestamp()], ARRAY[count(*)::int]
     FROM claimed c JOIN rated b
          ON (b.ord > 0 AND b.what = c.task AND b.key = c.limit_key)
             OR (b.ord = 0 AND b.what = c.queue)
@@ -842,7 +849,7 @@ logged AS (
         FROM unnest(rt.times, rt.counts) AS x(at, c)
         WHERE x.at > now() - make_interval(secs => EXCLUDED.period))
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, wait, limit_key, meta::text
+SELECT id, queue, task, args::text, attempts, max_attempts, w, limit_key, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: next_ready_at

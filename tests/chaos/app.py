@@ -5,6 +5,12 @@ even a killed attempt leaves a trace) and writes its effect through transactiona
 so ``chaos_effects`` holds a row exactly for each attempt whose success was recorded. Its result
 is the lease token, so a stale result would show as a token that is not the last claim's.
 
+The limited tasks (``LIMITED``) do the same under a concurrency limit, a limit per key, a rate,
+or a limit and a rate per key; the feeder also puts jobs in ``CAPPED_QUEUE``, which the harness
+limits as an operator would. The checker holds every run to these values (and to the operator's
+changes the harness makes during the feed), counting from the trigger log of each lease's start
+and end (tests/history.py), not from anything the workers say.
+
 The poison tasks model handlers that take the process or its memory down, or never return.
 
 ``PGQUEUE_TEST_CLOCK_OFFSET`` skews this process's wall clock (time.time and datetime.now) by
@@ -18,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -46,6 +54,16 @@ CREATE TABLE IF NOT EXISTS chaos_effects (
 """
 
 
+async def _work(ctx: pgqueue.JobContext, conn: psycopg.AsyncConnection[Any], seconds: float) -> str:
+    await history.record(app.dsn, ctx, "start")
+    await asyncio.sleep(seconds)
+    await conn.execute(
+        "INSERT INTO chaos_effects (job_id, attempt, lease_token) VALUES (%s, %s, %s)",
+        (ctx.job_id, ctx.attempt, ctx.lease_token),
+    )
+    return str(ctx.lease_token)
+
+
 @app.task(max_attempts=8)
 async def effect(
     ctx: pgqueue.JobContext,
@@ -54,13 +72,67 @@ async def effect(
     key: str | None = None,
 ) -> str:
     """``key``: set on the unique jobs among them (enqueued with that unique_key)."""
-    await history.record(app.dsn, ctx, "start")
-    await asyncio.sleep(seconds)
-    await conn.execute(
-        "INSERT INTO chaos_effects (job_id, attempt, lease_token) VALUES (%s, %s, %s)",
-        (ctx.job_id, ctx.attempt, ctx.lease_token),
-    )
-    return str(ctx.lease_token)
+    return await _work(ctx, conn, seconds)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A group's limit (jobs holding a lease at once) and rate (starts, period in seconds);
+    ``key``: the argument whose value is the group, for a limit per key."""
+
+    limit: int | None = None
+    rate: tuple[int, float] | None = None
+    key: str | None = None
+
+
+#: The limited tasks, as declared below. ``limited``'s limit is changed during the feed by the
+#: harness (LIMIT_CHANGES), as an operator would with `pgqueue tasks limit limited N`.
+LIMITED: dict[str, Limits] = {
+    "limited": Limits(limit=2),
+    "keyed": Limits(limit=1, key="tenant"),
+    "rated": Limits(rate=(5, 1.0)),
+    "pushed": Limits(limit=2, rate=(3, 1.0), key="account"),
+}
+#: A queue the harness limits at the start of each run (`pgqueue queues limit|rate`): it holds
+#: jobs of ``effect`` (no limit of their own) and some of ``keyed`` (limited twice).
+CAPPED_QUEUE = "capped"
+CAPPED = Limits(limit=4, rate=(3, 0.2))
+#: The operator's changes of ``limited``'s limit during the feed: (fraction of the feed, limit).
+#: The second one lowers it below what is running then.
+LIMIT_CHANGES = [(0.4, 4), (0.7, 2)]
+#: Jobs that write an effect (chaos_effects) and return their lease token.
+EFFECT_TASKS = ["effect", *LIMITED]
+
+
+async def limited_work(
+    ctx: pgqueue.JobContext,
+    conn: psycopg.AsyncConnection[Any],
+    seconds: float = 0.0,
+    tenant: str | None = None,
+    account: str | None = None,
+) -> str:
+    """The handler of every limited task: ``effect``'s, under its task's limits."""
+    return await _work(ctx, conn, seconds)
+
+
+def _key_of(name: str) -> Callable[[Mapping[str, Any]], object]:
+    return lambda args: args[name]
+
+
+def declare_limited(target: pgqueue.App) -> None:
+    """Declares the limited tasks on ``target``: this worker app, and the harness's producer,
+    which must know a task's key function to give each job its group at enqueue."""
+    for name, limits in LIMITED.items():
+        target.task(
+            name=name,
+            max_attempts=8,
+            limit=limits.limit,
+            rate=limits.rate,
+            limit_key=None if limits.key is None else _key_of(limits.key),
+        )(limited_work)
+
+
+declare_limited(app)
 
 
 @app.task(max_attempts=3)

@@ -6,6 +6,7 @@ generator, so a failing run can be replayed with its seed. ``checker`` decides t
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -29,13 +30,27 @@ from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.migrate import migrate
 from tests import history
 from tests.chaos import app as chaos_app
-from tests.chaos.checker import Fault, Result, check
+from tests.chaos.checker import Fault, LimitChange, LimitPlan, Result, check
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.chaos.app:app"
 #: Keys of the unique jobs the feeder mixes in: few, so most of them meet a job holding theirs.
 UNIQUE_KEYS = 12
+#: The limited jobs the feeder mixes in, whatever the run's rate: per second offered, (min, max)
+#: handler seconds, and the keys (tenants, accounts) drawn from. Each group is offered about 90 %
+#: of what its limit or rate lets through (a limit of L over handlers of mean m: L / m a
+#: second), so its jobs queue up behind full slots most of the time, faults or not, and the
+#: backlog a fault leaves is run off within seconds of the feed's end.
+LIMITED_FEED: list[tuple[str, float, tuple[float, float], dict[str, Any]]] = [
+    ("limited", 6.0, (0.1, 0.5), {}),  # limit 2 (4 for a while): 6.7 a second
+    ("keyed", 15.0, (0.1, 0.5), {"tenant": 5}),  # limit 1 per tenant: 3.3 a second each
+    ("rated", 4.5, (0.05, 0.2), {}),  # 5 a second
+    ("pushed", 5.4, (0.1, 0.5), {"account": 2}),  # limit 2 and 3 a second per account
+    ("effect", 8.0, (0.05, 0.25), {}),  # into the capped queue (limit 4, 3 per 0.2 s)
+]
+#: The share of ``keyed`` jobs that go to the capped queue, under its limits as well.
+KEYED_IN_CAPPED = 1 / 3
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
@@ -101,6 +116,13 @@ class Run:
         history.install(self.db)
         self.db.execute(chaos_app.INSTALL)
         self.app = pgqueue.App(self.dsn)
+        # The producer knows the limited tasks (their key functions give each job its group).
+        chaos_app.declare_limited(self.app)
+        # As an operator would, before any worker starts.
+        capped = chaos_app.CAPPED
+        self.app.limit_queue(chaos_app.CAPPED_QUEUE, limit=capped.limit, rate=capped.rate)
+        #: The operator's changes of limits during the feed, for the checker.
+        self.limit_changes: list[LimitChange] = []
         self.workers: list[Worker] = []
         self.faults: list[Fault] = []
         self.killed: set[UUID] = set()
@@ -192,17 +214,22 @@ class Run:
         COPY failed (the server restarting) is retried; ``acknowledged`` counts the jobs whose
         commit the client saw, which must all exist at the end. Every third batch is unique
         jobs over a few keys (most of them duplicates, refused while a job with the key is
-        queued, retrying or running): the checker counts any two that held one key at once."""
+        queued, retrying or running): the checker counts any two that held one key at once.
+        Every batch also brings limited jobs (LIMITED_FEED), and at the points of
+        LIMIT_CHANGES the feeder changes ``limited``'s limit as an operator would."""
         rng = random.Random(self.rng.random())
         period = 0.1
         per_batch = max(1, round(self.config.rate * period))
         total = round(self.config.rate * self.config.duration)
         mean = self.config.job_seconds
+        changes = list(chaos_app.LIMIT_CHANGES)
 
         def loop() -> None:
             sent = 0
             next_at = time.monotonic()
             while sent < total and not self._feeding.is_set():
+                while changes and sent >= changes[0][0] * total:
+                    self.change_task_limit("limited", changes.pop(0)[1])
                 n = min(per_batch, total - sent)
                 batch: list[Any] = [("effect", {"seconds": round(rng.uniform(0, 2 * mean), 4)})] * n
                 if (sent // per_batch) % 3 == 2:
@@ -214,8 +241,9 @@ class Run:
                          "args": {"seconds": round(rng.uniform(0.2, 0.6), 4), "key": key}}
                         for key in keys
                     ]  # fmt: skip
+                limited = limited_batch(rng, period)
                 try:
-                    written = self.app.enqueue_many(batch, allow_unknown=True)
+                    written = self.app.enqueue_many(batch + limited, allow_unknown=True)
                 except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
                     time.sleep(0.2)
                     continue
@@ -226,6 +254,36 @@ class Run:
 
         self._feeder = threading.Thread(target=loop, name="chaos-feeder", daemon=True)
         self._feeder.start()
+
+    def change_task_limit(self, task: str, limit: int) -> None:
+        """An operator's `pgqueue tasks limit TASK N`, retried until it goes through (the server
+        may be restarting: the change may then have committed or not, and is made again). The
+        checker gets when: between the database clock before the first try and after the last,
+        which is where its commit is."""
+        before: datetime | None = None
+        while before is None:
+            before = self._clock()
+        while True:
+            try:
+                self.app.limit_task(task, limit=limit)
+                break
+            except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
+                time.sleep(0.2)
+        after: datetime | None = None
+        while after is None:
+            after = self._clock()
+        self.limit_changes.append(LimitChange(("task", task, ""), limit, before, after))
+
+    def _clock(self) -> datetime | None:
+        """The database clock, on a connection of its own (None while the server is down)."""
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                row = conn.execute("SELECT clock_timestamp()").fetchone()
+        except psycopg.OperationalError:
+            time.sleep(0.2)
+            return None
+        assert row is not None
+        return row[0]  # type: ignore[no-any-return]
 
     def reconnect(self) -> None:
         """After a server restart: a fresh connection for the harness's own queries."""
@@ -295,6 +353,12 @@ class Run:
             killed=self.killed,
             recovery_bound=self.config.recovery_bound,
             failures_explain=self.failures_explain,
+            limits=LimitPlan(
+                tasks=chaos_app.LIMITED,
+                queues={chaos_app.CAPPED_QUEUE: chaos_app.CAPPED},
+                changes=self.limit_changes,
+                effect_tasks=chaos_app.EFFECT_TASKS,
+            ),
         )
         if self.restarts:
             result.notes.append(f"{self.restarts} worker restarts")
@@ -304,6 +368,31 @@ class Run:
         self.stop()
         self.app.close()
         self.db.close()
+
+
+def limited_batch(rng: random.Random, period: float) -> list[Any]:
+    """The limited jobs of one batch: for each line of LIMITED_FEED, a Poisson number of jobs
+    with the mean its rate gives over ``period``."""
+    jobs: list[Any] = []
+    for task, per_second, (low, high), keys in LIMITED_FEED:
+        for _ in range(_poisson(rng, per_second * period)):
+            args: dict[str, Any] = {"seconds": round(rng.uniform(low, high), 4)}
+            for name, count in keys.items():
+                args[name] = f"{name[0]}{rng.randrange(count)}"
+            job: dict[str, Any] = {"task": task, "args": args}
+            if task == "effect" or (task == "keyed" and rng.random() < KEYED_IN_CAPPED):
+                job["queue"] = chaos_app.CAPPED_QUEUE
+            jobs.append(job)
+    return jobs
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    """Knuth's: fine for the small means here."""
+    limit, n, product = math.exp(-mean), 0, rng.random()
+    while product > limit:
+        n += 1
+        product *= rng.random()
+    return n
 
 
 @contextlib.contextmanager

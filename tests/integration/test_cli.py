@@ -143,8 +143,9 @@ def test_enqueue_job_status_cancel_requeue(runner: CliRunner, dsn: str, conn: Co
         "succeeded",
         "dead",
         "cancelled",
+        "blocked",
     ]
-    assert line.split() == ["emails", "1", "0", "0", "0", "0", "0"]
+    assert line.split() == ["emails", "1", "0", "0", "0", "0", "0", "0"]
 
     refused = runner.invoke(main, ["requeue", str(job_id), "--dsn", dsn])
     assert refused.exit_code == 1 and "is not dead or cancelled" in refused.output

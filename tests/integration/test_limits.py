@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -20,8 +21,9 @@ import pytest
 
 import pgqueue
 from pgqueue.errors import ConfigurationError, InvalidJobError
-from pgqueue.limits import Rate, parse_rate
-from tests.helpers import running_worker, wait_until_async
+from pgqueue.limits import Rate, group_name, parse_rate
+from pgqueue.sql import queries
+from tests.helpers import register_worker, running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 0.5, "reaper_interval": 1.0}
@@ -408,3 +410,55 @@ async def test_a_worker_waiting_on_a_full_group_or_a_spent_rate_does_not_poll_th
         assert worker.fetcher.claims - claims <= 3
         release.set()
         await wait_until_async(lambda: statuses(conn) == {"succeeded": 3, "queued": 1}, timeout=30)
+
+
+def test_a_claim_that_stalls_inside_its_transaction_still_counts_against_the_rate(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Found by the fault suite: the claim judged and logged the rate by its transaction's
+    start (now()). A claimer that walked (locking the group) and then stalled past the window
+    logged its starts in the past, and the next claimer started up to N more within the same
+    second. The window is judged at the claim statement and logged at the claim's end."""
+    q = queries("public")
+    app.limit_task("r", rate="3/s")
+    app.enqueue_many([("r", {}) for _ in range(10)], allow_unknown=True)
+    workers = {name: uuid.uuid4() for name in "AXB"}
+    for worker in workers.values():
+        register_worker(conn, worker, lease=120)
+
+    def begin(c: Conn) -> list[tuple[str, str]]:
+        c.execute("BEGIN")
+        c.execute(q.begin_limited_claim)
+        locks = c.execute(
+            q.lock_limit_groups,
+            {"schema": "public", "queues": None, "tasks": ["r"], "after_task": "",
+             "after_key": "", "scan": 16},
+        ).fetchall()  # fmt: skip
+        return [(str(n), str(k)) for kind, n, k, _, locked, _ in locks if kind == "g" and locked]
+
+    def claim(c: Conn, worker: uuid.UUID, groups: list[tuple[str, str]], want: int) -> int:
+        rows = []
+        if groups:
+            rows = c.execute(
+                q.claim_limited_jobs,
+                {"worker_id": worker, "token": uuid.uuid4(), "limit": want, "queues": None,
+                 "tasks": ["r"], "g_tasks": [t for t, _ in groups],
+                 "g_keys": [k for _, k in groups],
+                 "g_names": [group_name(t, k) for t, k in groups], "lq": [], "blocked": []},
+            ).fetchall()  # fmt: skip
+        c.execute("COMMIT")
+        return len(rows)
+
+    dsn = conn.info.dsn
+    with (
+        psycopg.connect(dsn, autocommit=True) as a,
+        psycopg.connect(dsn, autocommit=True) as x,
+        psycopg.connect(dsn, autocommit=True) as b,
+    ):
+        assert claim(a, workers["A"], begin(a), 1) == 1
+        time.sleep(0.1)
+        groups = begin(x)  # X walks and holds the group's lock, then stalls past the window
+        time.sleep(1.5)
+        assert claim(x, workers["X"], groups, 10) == 3
+        time.sleep(0.05)
+        assert claim(b, workers["B"], begin(b), 10) == 0  # X's three started a moment ago

@@ -44,13 +44,14 @@ def test_pause_list_and_resume(runner: CliRunner, dsn: str, app: pgqueue.App) ->
     assert listed.exit_code == 0
     header, *rows = listed.output.splitlines()
     assert header.split() == [
-        "queue", "queued", "running", "retrying", "succeeded", "dead", "cancelled", "state"
+        "queue", "queued", "running", "retrying", "succeeded", "dead", "cancelled", "blocked",
+        "state",
     ]  # fmt: skip
     by_queue = {row.split()[0]: row.split()[1:] for row in rows}
-    assert by_queue["emails"][:6] == ["1", "0", "0", "0", "0", "0"]
-    assert by_queue["emails"][6:8] == ["paused", "since"] and by_queue["emails"][-1] == "UTC"
-    assert by_queue["empty-yet"][:8] == ["0", "0", "0", "0", "0", "0", "paused", "since"]
-    assert by_queue["reports"] == ["1", "0", "0", "0", "0", "0"]
+    assert by_queue["emails"][:7] == ["1", "0", "0", "0", "0", "0", "0"]
+    assert by_queue["emails"][7:9] == ["paused", "since"] and by_queue["emails"][-1] == "UTC"
+    assert by_queue["empty-yet"][:9] == ["0", "0", "0", "0", "0", "0", "0", "paused", "since"]
+    assert by_queue["reports"] == ["1", "0", "0", "0", "0", "0", "0"]
 
     resumed = run(runner, "queues", "resume", "emails", "--dsn", dsn)
     assert resumed.exit_code == 0 and resumed.output == "queue 'emails' resumed\n"
