@@ -462,3 +462,32 @@ def test_a_claim_that_stalls_inside_its_transaction_still_counts_against_the_rat
         assert claim(x, workers["X"], groups, 10) == 3
         time.sleep(0.05)
         assert claim(b, workers["B"], begin(b), 10) == 0  # X's three started a moment ago
+
+
+async def test_an_unlimited_job_starts_promptly_while_limited_jobs_keep_the_worker_busy(
+    app: pgqueue.App, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy worker asks for no notification, so a plain job enqueued while limited jobs keep
+    it busy wakes nobody: the worker looks again a moment after its plain claim came back
+    empty (DRY_FOR), not at its next once-a-second check (here made 10 s) or poll."""
+    from pgqueue.worker import fetcher
+
+    monkeypatch.setattr(fetcher, "DELAYED_CHECK", 10.0)
+    started: dict[str, float] = {}
+
+    @app.task(limit=1, limit_key=lambda args: args["k"])
+    async def keyed(k: int, n: int) -> None:
+        await asyncio.sleep(0.002)
+
+    @app.task
+    async def free() -> None:
+        started["free"] = time.monotonic()
+
+    app.enqueue_many([("keyed", {"k": n % 50, "n": n}) for n in range(20_000)])
+    async with running_worker(app, concurrency=8, **NO_POLL) as worker:
+        await wait_until_async(lambda: worker.fetcher.claims > 20, timeout=30)
+        await asyncio.sleep(0.5)  # well past the worker's first looks
+        asked = time.monotonic()
+        free.enqueue()
+        await wait_until_async(lambda: "free" in started, timeout=30)
+    assert started["free"] - asked < 5, started["free"] - asked

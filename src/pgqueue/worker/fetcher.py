@@ -28,8 +28,9 @@ such jobs wait, untouched, for a worker that knows them.
 Jobs under a limit or a rate (concepts/limits.md) are left out of those claims and taken by the
 limited claim (``claim_limited``), which next_ready_at says is needed. A round then runs both
 claims, the limited one first every other round, so neither kind of job waits on the other.
-A claim that came back short is not repeated until something may have changed: a notification,
-a slot freed by one of this worker's limited jobs, the poll, or (busy) every ``DELAYED_CHECK``.
+A claim that came back short is not repeated until something may have changed (a notification,
+a slot freed by one of this worker's limited jobs, the poll) or ``DRY_FOR`` has passed: jobs of
+one kind enqueued while the other keeps the worker busy wake nobody (no worker waits).
 A group out of rate tells how long until it has rate again, and the fetcher sleeps no longer.
 """
 
@@ -71,6 +72,10 @@ LIMIT_CLAIM_IDLE_MS = "5000"
 #: When another worker held a limit group or queue this claim wanted: look again after this
 #: long (doubling while it stays held, up to the poll interval).
 LIMIT_BUSY_RETRY = 0.01
+#: How long a claim that came back short is skipped while the other kind keeps the worker busy
+#: (see claim_round): jobs of the other kind enqueued meanwhile wake nobody (no worker waits),
+#: so this bounds their wait; each look costs a claim (the plain one reads past limited jobs).
+DRY_FOR = 0.05
 #: Added to the time since the last claim when asking next_ready_at for jobs that fell due
 #: after it: the two statements' own delays on the way to the server.
 LOOKBACK_MARGIN = 0.05
@@ -136,9 +141,10 @@ class Fetcher:
         self._cursor: tuple[str, str] = ("", "")
         #: Groups the next limited claim walks per job it wants (see LIMIT_SCAN_FACTOR).
         self._scan_per_job = LIMIT_SCAN_FACTOR
-        #: A claim of that kind came back short: skip it until something may have changed.
-        self._plain_dry = False
-        self._limited_dry = False
+        #: A claim of that kind came back short: skip it until this loop time, or until something
+        #: may have changed (a notification, a freed slot, the poll).
+        self._plain_dry = 0.0
+        self._limited_dry = 0.0
         self._limited_first = False
         self._busy_retry = LIMIT_BUSY_RETRY
         #: The worker's own tasks (the limited claim only takes those: no hand-backs).
@@ -180,16 +186,18 @@ class Fetcher:
             return await self.claim(want)
         self._limited_first = not self._limited_first
         jobs: list[ClaimedJob] = []
+        loop = asyncio.get_running_loop()
         for limited in (True, False) if self._limited_first else (False, True):
             left = want - len(jobs)
             if left <= 0:
                 break
-            if limited and not self._limited_dry:
+            now = loop.time()
+            if limited and now >= self._limited_dry:
                 got = await self.claim_limited(left)
-                self._limited_dry = len(got) < left
-            elif not limited and not self._plain_dry:
+                self._limited_dry = now + DRY_FOR if len(got) < left else 0.0
+            elif not limited and now >= self._plain_dry:
                 got = await self.claim(left)
-                self._plain_dry = len(got) < left
+                self._plain_dry = now + DRY_FOR if len(got) < left else 0.0
             else:
                 continue
             jobs += got
@@ -197,11 +205,11 @@ class Fetcher:
 
     def _refresh(self) -> None:
         """Something may have changed for both claims: try each again."""
-        self._plain_dry = self._limited_dry = False
+        self._plain_dry = self._limited_dry = 0.0
 
     def slot_freed(self) -> None:
         """A limited job of this worker ended: its group may take another job."""
-        self._limited_dry = False
+        self._limited_dry = 0.0
         self._notified = True
         self.state.wakeup.set()
 
@@ -393,7 +401,7 @@ class Fetcher:
             # Limited jobs this worker did not claim for: claim now. The look is made after a
             # short claim, when the loop is about to wait, and the NOTIFY of their enqueue woke
             # that very claim: without this they waited for the poll.
-            self._limited_dry = False
+            self._limited_dry = 0.0
             self._notified = True
         self.limited = limited
         return None if row[0] is None else max(float(row[0]), 0.0)
