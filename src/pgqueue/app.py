@@ -900,7 +900,7 @@ class App:
 
 def _cancel_result(job_id: int, row: Any) -> CancelResult:
     if row is None:
-        raise JobNotFoundError(f"no job {job_id}: it never existed, or it finished and was pruned")
+        raise JobNotFoundError.of(job_id)
     was = str(row[0])
     if was == "running":
         return CancelResult.REQUESTED

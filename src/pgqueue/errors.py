@@ -27,6 +27,10 @@ class UnknownTaskError(PgQueueError, LookupError):
 class JobNotFoundError(PgQueueError, LookupError):
     """No job has this id: it never existed, or it finished and was pruned."""
 
+    @classmethod
+    def of(cls, job_id: int) -> JobNotFoundError:
+        return cls(f"no job {job_id}: it never existed, or it finished and was pruned")
+
 
 class JobFailedError(PgQueueError):
     """``App.wait``: the job ended ``dead``; ``job`` holds it, with its last error."""

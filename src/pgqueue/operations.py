@@ -202,7 +202,7 @@ def retry_now(conn: psycopg.Connection[Any], q: Queries, job_id: int) -> str:
     """The job's status before; a waiting one is due now and its queue's workers are woken."""
     row = conn.execute(q.retry_now, {"id": job_id}).fetchone()
     if row is None:
-        raise JobNotFoundError(f"no job {job_id}: it never existed, or it finished and was pruned")
+        raise JobNotFoundError.of(job_id)
     if row[0] in ("queued", "retrying"):
         conn.execute(q.wake_waiting_workers, {"queues": [row[1]]})
     return str(row[0])

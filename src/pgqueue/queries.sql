@@ -246,49 +246,30 @@ SELECT t.was, CASE WHEN t.was IN ('queued', 'retrying')
 FROM target t
 
 -- name: find_jobs
--- `pgqueue jobs`: the newest jobs matching a filter (each part NULL: any), newest first. "when"
--- is when the job finished, or was enqueued if it has not. The error is its first line.
+-- `pgqueue jobs`: the newest jobs matching a filter (sql.JOB_FILTER: each part NULL matches
+-- any), newest first. The error is its first line.
 SELECT id, task, queue, status::text, attempts, max_attempts, created_at, finished_at,
        split_part(left(last_error, 2000), E'\n', 1)
 FROM {schema}.pgqueue_jobs
-WHERE (%(task)s::text IS NULL OR task = %(task)s)
-  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-  AND (%(statuses)s::text[] IS NULL OR status::text = ANY(%(statuses)s::text[]))
-  AND (%(since)s::float8 IS NULL
-       OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))
-  AND (%(older_than)s::float8 IS NULL
-       OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))
+WHERE {job_filter}
 ORDER BY id DESC
 LIMIT %(limit)s
 
 -- name: count_jobs
 -- A dry run: how many jobs a bulk action would change.
 SELECT count(*) FROM {schema}.pgqueue_jobs
-WHERE (%(task)s::text IS NULL OR task = %(task)s)
-  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-  AND status::text = ANY(%(statuses)s::text[])
-  AND (%(since)s::float8 IS NULL
-       OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))
-  AND (%(older_than)s::float8 IS NULL
-       OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))
+WHERE {job_filter}
 
 -- name: bulk_batch
 -- One batch of a bulk action: up to %(batch)s matching jobs after id %(after)s, in id order,
 -- locked without waiting (a job being claimed or acked right now is skipped: the action's next
--- run takes it), then changed by the action (bulk_requeue, bulk_cancel, bulk_purge below) and
--- counted into the audit row, all in one short transaction: an interrupted action leaves every
+-- run takes it), then changed by the action (the requeued, cancelled or purged step; the others
+-- change nothing) and counted into the audit row, all in one short transaction: an interrupted action leaves every
 -- batch it finished done and recorded, and no lock held. Returns the last id looked at and how
 -- many changed; the caller goes on after that id until a batch comes back short.
 WITH picked AS (
     SELECT id FROM {schema}.pgqueue_jobs
-    WHERE id > %(after)s
-      AND (%(task)s::text IS NULL OR task = %(task)s)
-      AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-      AND status::text = ANY(%(statuses)s::text[])
-      AND (%(since)s::float8 IS NULL
-           OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))
-      AND (%(older_than)s::float8 IS NULL
-           OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))
+    WHERE id > %(after)s AND {job_filter}
     ORDER BY id
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED

@@ -28,7 +28,7 @@ LOOK_EVERY = 5.0
 def settle(job_id: int, row: Any) -> tuple[bool, Any]:
     """(finished, result) for a job row; raises for a job that ended without a result."""
     if row is None:
-        raise JobNotFoundError(f"no job {job_id}: it never existed, or it finished and was pruned")
+        raise JobNotFoundError.of(job_id)
     job = Job.from_row(row)
     if job.status is Status.SUCCEEDED:
         return True, job.result

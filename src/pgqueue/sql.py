@@ -69,8 +69,21 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         },
     ),
 }
+#: Which jobs an operator's search or bulk action takes (pgqueue.operations.JobFilter): each
+#: part NULL matches any. since/older_than compare when the job finished, or was enqueued if it
+#: has not.
+JOB_FILTER = (
+    "(%(task)s::text IS NULL OR task = %(task)s)"
+    " AND (%(queue)s::text IS NULL OR queue = %(queue)s)"
+    " AND (%(statuses)s::text[] IS NULL OR status::text = ANY(%(statuses)s::text[]))"
+    " AND (%(since)s::float8 IS NULL"
+    " OR COALESCE(finished_at, created_at) >= now() - make_interval(secs => %(since)s))"
+    " AND (%(older_than)s::float8 IS NULL"
+    " OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))"
+)
 #: The base rendering's fragments (see claim_jobs for why its LIMIT is a subquery).
 BASE = {
+    "job_filter": JOB_FILTER,
     **{name: "" for _, fragments in VARIANTS.values() for name in fragments},
     "claim_limit": "(SELECT %(limit)s::int)",
     "queue_list": "(VALUES (NULL::text))",  # one probe per priority, for every queue at once

@@ -48,7 +48,7 @@ CREATE TABLE {schema}.pgqueue_job_waits (
 
 -- A parent that finishes releases its children in the same transaction as its own ack (or
 -- reap, or cancel): each child's count goes down, a child with nothing left to wait for becomes
--- 'queued' (due at once, its workers woken), and a child whose parent ended dead or cancelled
+-- 'queued' (due at once, workers notified), and a child whose parent ended dead or cancelled
 -- is cancelled right away unless it asked to run anyway. A cancelled child that is a parent
 -- fires this trigger in turn: cancellation is transitive. Counters are updated in child id
 -- order, so two parents' acks that share children do not deadlock over them.
@@ -98,11 +98,10 @@ BEGIN
         )
         SELECT DISTINCT r.queue FROM released r WHERE r.status = 'queued'
     LOOP
-        IF NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 1)
-                            THEN pg_advisory_unlock(hashtext({channel}), 1)
-                            ELSE false END) THEN
-            PERFORM pg_notify({channel}, q);  -- some worker waits for work
-        END IF;
+        -- Always, not only while some worker waits (as the insert trigger does): the worker
+        -- whose ack released them is busy, asks for no notification, and would otherwise leave
+        -- them to its poll. Only releases notify, never the count-downs.
+        PERFORM pg_notify({channel}, q);
     END LOOP;
     RETURN NULL;
 END;
