@@ -904,7 +904,8 @@ def _cancel_result(job_id: int, row: Any) -> CancelResult:
     was = str(row[0])
     if was == "running":
         return CancelResult.REQUESTED
-    return CancelResult.CANCELLED if was in ("queued", "retrying") else CancelResult.FINISHED
+    waiting = ("queued", "retrying", "blocked")
+    return CancelResult.CANCELLED if was in waiting else CancelResult.FINISHED
 
 
 def _job_id(job_id: object) -> int:

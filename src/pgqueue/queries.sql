@@ -221,7 +221,8 @@ WITH requeued AS (
 SELECT pg_notify({channel}, queue) FROM requeued
 
 -- name: cancel_job
--- A waiting job is cancelled here; a running one is only marked (cancel_requested_at): its
+-- A waiting job (queued, retrying, or blocked behind its parents: its own children are then
+-- cancelled by the release trigger, in this transaction) is cancelled here; a running one is only marked (cancel_requested_at): its
 -- worker stops the attempt and writes 'cancelled' itself, fenced like any ack, so a success
 -- that lands first wins and nothing is yanked from under a handler that is still running. The
 -- worker hears of it by NOTIFY ('cancel,' and the id: no queue name has a comma), or at its next
@@ -236,10 +237,10 @@ WITH target AS (
         finished_at = CASE WHEN t.was = 'running' THEN j.finished_at ELSE now() END,
         cancel_requested_at = now()
     FROM target t
-    WHERE j.id = t.id AND t.was IN ('queued', 'retrying', 'running')
+    WHERE j.id = t.id AND t.was IN ('queued', 'retrying', 'blocked', 'running')
     RETURNING j.id
 )
-SELECT t.was, CASE WHEN t.was IN ('queued', 'retrying')
+SELECT t.was, CASE WHEN t.was IN ('queued', 'retrying', 'blocked')
                    THEN pg_notify({done_channel}, t.id::text)
                    WHEN t.was = 'running' THEN pg_notify({channel}, 'cancel,' || t.id) END,
        (SELECT count(*) FROM changed)

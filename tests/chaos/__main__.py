@@ -30,6 +30,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--faults", type=int, default=10, help="faults per scenario")
     parser.add_argument("--lease", type=float, default=2.0)
+    parser.add_argument(
+        "--group-size", type=int, default=100_000, help="members of the control scenario's group"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     seed = args.seed or int.from_bytes(os.urandom(3))
@@ -41,7 +44,8 @@ def main() -> int:
         rate=args.rate,
         duration=args.duration,
         faults=args.faults,
-        drain_timeout=max(120.0, args.duration * 2),
+        drain_timeout=max(120.0, args.duration * 2) + args.group_size / 500,
+        group_size=args.group_size,
     )
     names = args.scenario or list(SCENARIOS)
     print(f"seed {seed}; {config}", file=sys.stderr)
@@ -62,6 +66,9 @@ def main() -> int:
         print(HEADER)
         for result in results:
             print(row(result))
+        for result in results:
+            if result.passed and result.notes:
+                print(f"{result.scenario}: " + "; ".join(result.notes[:3]), file=sys.stderr)
         for result in results:
             if not result.passed:
                 print(f"\n{result.scenario}:", *result.notes[:3], sep="\n", file=sys.stderr)

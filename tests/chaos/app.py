@@ -135,6 +135,41 @@ def declare_limited(target: pgqueue.App) -> None:
 declare_limited(app)
 
 
+async def member_work(n: int) -> int:
+    """A group member (``control`` scenario): cheap, so a group can have 100,000 of them."""
+    return n
+
+
+async def summarise_work(
+    ctx: pgqueue.JobContext,
+    conn: psycopg.AsyncConnection[Any],
+    results: list[Any],
+    seconds: float = 0.0,
+) -> dict[str, Any]:
+    """The group's callback: one effect, through transactional completion, so a second run of
+    it (or a run before every member finished) shows in the checks. It lasts ``seconds``, so
+    that the harness can kill its worker while it runs."""
+    await history.record(app.dsn, ctx, "start")
+    await asyncio.sleep(seconds)
+    await conn.execute(
+        "INSERT INTO chaos_effects (job_id, attempt, lease_token) VALUES (%s, %s, %s)",
+        (ctx.job_id, ctx.attempt, ctx.lease_token),
+    )
+    return {"count": len(results), "in_order": results == list(range(len(results)))}
+
+
+def declare_workflow(target: pgqueue.App) -> None:
+    """The tasks of the ``control`` scenario's group and chains, on the worker app and the
+    producer's."""
+    if target is not app:
+        target.task(name="effect", max_attempts=8)(effect.func)
+    target.task(name="member", max_attempts=8)(member_work)
+    target.task(name="summarise", max_attempts=8)(summarise_work)
+
+
+declare_workflow(app)
+
+
 @app.task(max_attempts=3)
 async def exit_process(ctx: pgqueue.JobContext) -> None:
     """Kills the worker process outright, as a segfault in a C extension would."""

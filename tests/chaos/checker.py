@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -120,9 +120,14 @@ def _one(conn: Conn, query: str, params: Any = None) -> int:
     return int(row[0] or 0)
 
 
-def lost_jobs(conn: Conn) -> int:
-    """Jobs that are neither succeeded nor dead (a cancelled job was cancelled on purpose)."""
-    return _one(conn, "SELECT count(*) FROM pgqueue_jobs WHERE status NOT IN ('succeeded', 'dead')")
+def lost_jobs(conn: Conn, cancelled_on_purpose: Collection[int]) -> int:
+    """Jobs that are neither succeeded nor dead, but those the scenario cancelled on purpose."""
+    return _one(
+        conn,
+        "SELECT count(*) FROM pgqueue_jobs WHERE status NOT IN ('succeeded', 'dead')"
+        " AND NOT (status = 'cancelled' AND id = ANY(%s))",
+        (sorted(cancelled_on_purpose),),
+    )
 
 
 def recovery_times(conn: Conn, faults: list[Fault]) -> list[float]:
@@ -342,6 +347,7 @@ def check(
     recovery_bound: float,
     failures_explain: bool,
     limits: LimitPlan,
+    cancelled_on_purpose: Collection[int] = (),
 ) -> Result:
     jobs = _one(conn, "SELECT count(*) FROM pgqueue_jobs")
     effect_tasks = limits.effect_tasks
@@ -393,7 +399,7 @@ def check(
         seed=seed,
         jobs=jobs,
         faults=len(faults),
-        lost=lost_jobs(conn),
+        lost=lost_jobs(conn, cancelled_on_purpose),
         duplicate_effects=duplicate_effects,
         duplicate_executions=history.duplicate_executions(conn),
         unexplained_duplicates=len(unexplained),

@@ -67,6 +67,8 @@ class Config:
     job_seconds: float = 0.05  # mean handler time; uniform in [0, 2 * mean]
     faults: int = 3
     drain_timeout: float = 120.0
+    #: Members of the ``control`` scenario's group (its callback must run once, after all).
+    group_size: int = 2_000
 
     @property
     def heartbeat(self) -> float:
@@ -118,6 +120,7 @@ class Run:
         self.app = pgqueue.App(self.dsn)
         # The producer knows the limited tasks (their key functions give each job its group).
         chaos_app.declare_limited(self.app)
+        chaos_app.declare_workflow(self.app)
         # As an operator would, before any worker starts.
         capped = chaos_app.CAPPED
         self.app.limit_queue(chaos_app.CAPPED_QUEUE, limit=capped.limit, rate=capped.rate)
@@ -128,6 +131,8 @@ class Run:
         self.killed: set[UUID] = set()
         self.restarts = 0
         self.failures_explain = False
+        #: Jobs a scenario cancelled on purpose (and their cancelled children): not lost.
+        self.cancelled_on_purpose: set[int] = set()
         #: What a scenario keeps for its own checks.
         self.extras: dict[str, Any] = {}
         self._feeding = threading.Event()
@@ -353,6 +358,7 @@ class Run:
             killed=self.killed,
             recovery_bound=self.config.recovery_bound,
             failures_explain=self.failures_explain,
+            cancelled_on_purpose=self.cancelled_on_purpose,
             limits=LimitPlan(
                 tasks=chaos_app.LIMITED,
                 queues={chaos_app.CAPPED_QUEUE: chaos_app.CAPPED},

@@ -3,6 +3,7 @@ seeded generator) and drains; then adds the checks that only it can make."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -10,12 +11,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import conninfo
 
+from pgqueue import workflows
 from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.errors import InvalidJobError
 from tests.chaos import app as chaos_app
@@ -420,6 +423,174 @@ def bad_input_checks(run: Run, result: Result) -> Checks:
     }
 
 
+# --- 12. job control under SIGKILL: cancels racing acks and reaps, chains, a big group -------
+
+#: The tasks whose jobs ``control`` cancels: effect-writing ones, never the group's.
+CANCELLABLE = chaos_app.EFFECT_TASKS
+
+
+def control(run: Run) -> None:
+    """Workers are SIGKILLed while a group of ``group_size`` members drains towards its
+    callback, chains of three steps are enqueued, and running and waiting jobs are cancelled
+    (running ones often just as they finish: their handlers last 0-0.6 s)."""
+    for _ in range(run.config.workers):
+        run.start_worker()
+    member, summarise, effect = (run.app.tasks[n] for n in ("member", "summarise", "effect"))
+    # Below the feed's priority: the feed's jobs keep running (and being cancelled) meanwhile.
+    members = (
+        workflows.Signature(member, {"n": n}, priority=-1) for n in range(run.config.group_size)
+    )
+    group = run.app.group(members, then=summarise.s(seconds=1.0))
+    run.extras["group"] = group
+    run.feed()
+    chains: list[list[int]] = []
+    cancels: list[tuple[int, str, datetime]] = []
+
+    def step() -> None:
+        run.kill(_victim(run))
+        run.start_worker()
+        steps = [effect.s(seconds=round(run.rng.uniform(0.05, 0.6), 3)) for _ in range(3)]
+        chains.append([int(i) for i in run.app.chain(*steps)])
+        for status in ("running", "queued", "blocked"):
+            targets = run.db.execute(
+                "SELECT id FROM pgqueue_jobs WHERE status = %s AND task = ANY(%s)"
+                " ORDER BY id DESC LIMIT 3",
+                (status, CANCELLABLE),
+            ).fetchall()
+            for (job_id,) in targets:
+                outcome = run.app.cancel(job_id)
+                cancels.append((job_id, str(outcome), run.now()))
+
+    run.during_feed(step, run.config.faults)
+    # And the callback's own worker while the callback runs (unless it ran during the feed):
+    # its one effect must still be written once, by the attempt after the reap.
+    assert group.callback is not None
+    callback = int(group.callback)
+
+    def callback_running() -> Any:
+        row = run.db.execute(
+            "SELECT j.status::text, j.worker_id FROM pgqueue_jobs j WHERE j.id = %s AND"
+            " (j.status <> 'running' OR EXISTS (SELECT FROM history_runs h"
+            "  WHERE h.job_id = j.id AND h.lease_token = j.lease_token))",
+            (callback,),
+        ).fetchone()
+        if row is None or row[0] in ("queued", "retrying", "blocked"):
+            return None
+        holder = next((w for w in run.alive() if w.id == row[1]), None)
+        return (
+            holder
+            if row[0] == "running" and holder
+            else ("finished" if row[0] != "running" else None)
+        )
+
+    holder = wait_for(callback_running, run.config.drain_timeout, "the group's callback to run")
+    if holder != "finished":
+        run.kill(holder)
+        run.start_worker()
+        run.extras["callback_killed"] = True
+    run.drain()
+    run.extras["chains"] = chains
+    run.extras["cancels"] = cancels
+    asked = {job_id for job_id, outcome, _ in cancels if outcome != "already finished"}
+    run.cancelled_on_purpose |= asked
+    for chain in chains:
+        for i, job_id in enumerate(chain):
+            if any(parent in asked for parent in chain[: i + 1]):
+                run.cancelled_on_purpose.add(job_id)
+
+
+def control_checks(run: Run, result: Result) -> Checks:
+    group = run.extras.get("group")
+    if group is None:
+        return {"the group was written": False}
+    members = [int(m) for m in group.members]
+    callback = int(group.callback)
+    status, summary = run.db.execute(
+        "SELECT status::text, result FROM pgqueue_jobs WHERE id = %s", (callback,)
+    ).fetchone() or (None, None)
+    ordered = run.db.execute(
+        "SELECT (SELECT min(seq) FROM history_transitions WHERE job_id = %s"
+        "        AND new_status = 'running')"
+        "     > (SELECT max(seq) FROM history_transitions WHERE job_id = ANY(%s)"
+        "        AND new_status = 'succeeded'),"
+        " (SELECT count(*) FROM pgqueue_jobs WHERE id = ANY(%s) AND status = 'succeeded'),"
+        " (SELECT count(*) FROM chaos_effects WHERE job_id = %s),"
+        " (SELECT count(*) FROM history_runs WHERE job_id = %s AND event = 'start')",
+        (callback, members, members, callback, callback),
+    ).fetchone()
+    assert ordered is not None
+    after_members, succeeded_members, callback_effects, callback_runs = ordered
+    chain_ok = True
+    for chain in run.extras.get("chains", []):
+        for parent, child in itertools.pairwise(chain):
+            row = run.db.execute(
+                "SELECT (SELECT status::text FROM pgqueue_jobs WHERE id = %(p)s),"
+                " (SELECT status::text FROM pgqueue_jobs WHERE id = %(c)s),"
+                " (SELECT min(seq) FROM history_transitions WHERE job_id = %(c)s"
+                "  AND new_status = 'running'),"
+                " (SELECT max(seq) FROM history_transitions WHERE job_id = %(p)s"
+                "  AND new_status = 'succeeded')",
+                {"p": parent, "c": child},
+            ).fetchone()
+            assert row is not None
+            parent_status, child_status, child_claim, parent_success = row
+            if parent_status != "succeeded":
+                chain_ok &= child_status == "cancelled" and child_claim is None
+            elif child_claim is not None:
+                chain_ok &= parent_success is not None and parent_success < child_claim
+    result.notes.append(
+        f"callback {callback}: {status}, {str(summary)[:80]}, {callback_effects} effect(s),"
+        f" {callback_runs} run(s), claimed after the last member: {after_members};"
+        f" {succeeded_members:,} of {len(members):,} members succeeded"
+    )
+    cancels_ok = True
+    cancels = run.extras.get("cancels", [])
+    for job_id, outcome, after in cancels:
+        row = run.db.execute(
+            "SELECT status::text, (SELECT count(*) FROM history_transitions WHERE job_id = %(j)s"
+            "   AND new_status = 'running' AND at > %(after)s)"
+            " FROM pgqueue_jobs WHERE id = %(j)s",
+            {"j": job_id, "after": after},
+        ).fetchone()
+        assert row is not None
+        final, claims_after = row
+        allowed = {
+            "cancelled": {"cancelled"},
+            "cancel requested": {"cancelled", "succeeded"},
+            "already finished": {"succeeded", "dead", "cancelled"},
+        }[outcome]
+        if final not in allowed or claims_after:
+            cancels_ok = False
+            trail = run.db.execute(
+                "SELECT old_status, new_status, at, new_worker FROM history_transitions"
+                " WHERE job_id = %s ORDER BY seq",
+                (job_id,),
+            ).fetchall()
+            result.notes.append(
+                f"job {job_id}: cancel said {outcome!r} at {after}, ended {final},"
+                f" {claims_after} claim(s) after: {trail}"
+            )
+    requested = sum(1 for _, outcome, _ in cancels if outcome == "cancel requested")
+    result.notes.append(
+        f"{len(members):,} members, {len(cancels)} cancels ({requested} of running jobs),"
+        f" {len(run.extras.get('chains', []))} chains"
+    )
+    return {
+        "the group's callback ran once, after every member, with every result in order": (
+            status == "succeeded"
+            and summary == {"count": len(members), "in_order": True}
+            and callback_effects == 1
+            and (callback_runs >= 2 or not run.extras.get("callback_killed"))
+            and succeeded_members == len(members)
+            and bool(after_members)
+        ),
+        "each chain step ran only after its parent succeeded, or was cancelled with it": chain_ok,
+        "a cancelled job ends cancelled (or succeeded first) and is never claimed again": (
+            cancels_ok and requested > 0
+        ),
+    }
+
+
 SCENARIOS = {
     s.name: s
     for s in [
@@ -451,6 +622,12 @@ SCENARIOS = {
             recovery_bounded=False,
         ),
         Scenario("clock_skew", "worker clocks +-10 min, one killed", clock_skew, skew_checks),
+        Scenario(
+            "control",
+            "cancels racing acks and reaps, chains and a big group, under SIGKILL",
+            control,
+            control_checks,
+        ),
         Scenario(
             "bad_input",
             "mismatched args, unknown tasks, huge payloads, odd Unicode",

@@ -226,3 +226,25 @@ async def test_a_dead_group_member_cancels_the_callback_or_it_runs_with_the_gap(
         with pytest.raises(pgqueue.JobCancelledError):
             await app.wait_async(strict.callback, timeout=30)
         assert await app.wait_async(lenient.callback, timeout=30) == [0, 1, None, 3]
+
+
+async def test_cancelling_a_blocked_job_cancels_it_and_its_children_and_it_never_runs(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    ran: list[str] = []
+
+    @app.task
+    async def step(name: str) -> None:
+        ran.append(name)
+
+    first, second, third = app.chain(step.s(name="a"), step.s(name="b"), step.s(name="c"))
+    assert status(conn, second) == "blocked"
+    assert app.cancel(second) == pgqueue.CancelResult.CANCELLED
+    assert status(conn, second) == "cancelled" and status(conn, third) == "cancelled"
+    with pytest.raises(pgqueue.JobCancelledError):
+        app.wait(third, timeout=5)
+    async with running_worker(app, **FAST):
+        await wait_until_async(lambda: status(conn, first) == "succeeded", timeout=30)
+        await asyncio.sleep(0.3)
+    assert ran == ["a"]
+    assert status(conn, second) == "cancelled" and status(conn, third) == "cancelled"
