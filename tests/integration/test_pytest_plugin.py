@@ -4,9 +4,13 @@ run_until_idle draining it against the real PostgreSQL of this test session."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import Server
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytest_plugins = ["pytester"]
 
@@ -43,12 +47,12 @@ def test_each_test_has_a_database_of_its_own(pgqueue_app, pgqueue_dsn):
 USER_APP = """
 import pgqueue
 
-app = pgqueue.App({arguments})
+app = pgqueue.App(schema="myjobs")
 
 
 @app.task
 def greet(name: str) -> str:
-    return f"Hello, {{name}}!"
+    return f"Hello, {name}!"
 """
 
 USER_APP_TESTS = """
@@ -97,23 +101,31 @@ def test_enabled_the_fixtures_give_each_test_a_migrated_database(
     result.assert_outcomes(passed=3)
 
 
-@pytest.mark.parametrize("named_by", ["ini", "fixture"])
-def test_the_users_app_is_bound_to_each_tests_database(
-    user_project: pytest.Pytester, named_by: str
+def test_the_guides_example_passes(
+    user_project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if named_by == "ini":
-        user_project.makepyfile(jobs=USER_APP.format(arguments=""))
-        user_project.makeini("[pytest]\npgqueue = true\npgqueue_app = jobs:app\n")
-    else:  # another schema than public: migrated into each test's database
-        user_project.makepyfile(jobs=USER_APP.format(arguments='schema="myjobs"'))
-        user_project.makeconftest(
-            "import pytest\n"
-            "import jobs\n"
-            'pytest_plugins = ["pgqueue.testing.plugin"]\n'
-            "@pytest.fixture\n"
-            "def pgqueue_app_factory():\n"
-            "    return lambda: jobs.app\n"
-        )
+    """examples/testing/test_greetings.py, in a project configured as the guide says."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    user_project.makeini("[pytest]\npgqueue = true\npgqueue_app = examples.quickstart:app\n")
+    user_project.makepyfile(
+        test_greetings=(ROOT / "examples/testing/test_greetings.py").read_text()
+    )
+    result = user_project.runpytest_subprocess()
+    result.assert_outcomes(passed=2)
+
+
+def test_an_overridden_app_factory_in_its_own_schema_is_bound_per_test(
+    user_project: pytest.Pytester,
+) -> None:
+    user_project.makepyfile(jobs=USER_APP)
+    user_project.makeconftest(
+        "import pytest\n"
+        "import jobs\n"
+        'pytest_plugins = ["pgqueue.testing.plugin"]\n'
+        "@pytest.fixture\n"
+        "def pgqueue_app_factory():\n"
+        "    return lambda: jobs.app\n"
+    )
     user_project.makepyfile(test_user=USER_APP_TESTS)
     result = user_project.runpytest_subprocess()
     result.assert_outcomes(passed=2)
