@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+import psycopg
+
 from .. import db
 from ..errors import PgQueueError
 from ..jobs import Status
@@ -108,6 +110,7 @@ async def run_until_idle_async(
     """``run_until_idle`` for async code: the worker runs on the caller's event loop."""
     worker_options.setdefault("install_signal_handlers", False)
     worker_options.setdefault("concurrency", 1)
+    # NOTIFY wakes the worker; the poll is the fallback, kept short as a test's jobs are few.
     worker_options.setdefault("poll_interval", 0.1)
     worker = app.worker(queues=queues, **worker_options)
     recorded: list[tuple[ClaimedJob, Outcome]] = []
@@ -156,7 +159,7 @@ async def _stop(worker: Worker, running: asyncio.Task[None]) -> None:
 
 
 async def _pending(
-    conn: Any, statement: bytes, queues: list[str] | None
+    conn: psycopg.AsyncConnection[Any], statement: bytes, queues: list[str] | None
 ) -> tuple[list[PendingJob], int]:
     """The first few jobs that keep the drain going, and how many there are."""
     cur = await conn.execute(statement, {"queues": queues, "limit": SHOWN})
