@@ -7,102 +7,43 @@ parallel (``pytest -n 2``: each xdist worker has its own template and databases)
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import psycopg
 import pytest
-from psycopg import conninfo, sql
 
 import pgqueue
-from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.errors import ConfigurationError
-from pgqueue.migrate import migrate
+from pgqueue.testing.databases import TemplateDatabases
 
-
-@dataclass
-class Server:
-    admin_dsn: str
-    cluster: EmbeddedPostgres | None
-    template: str
-
-    def dsn_for(self, dbname: str) -> str:
-        return conninfo.make_conninfo(self.admin_dsn, dbname=dbname)
-
-
-def _admin(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(dsn, autocommit=True)
+#: The harness is pgqueue.testing's (the pytest plugin's too): one implementation.
+Server = TemplateDatabases
 
 
 @pytest.fixture(scope="session")
 def pg_server(worker_id: str) -> Iterator[Server]:
-    cluster: EmbeddedPostgres | None = None
-    dsn = os.environ.get("PGQUEUE_TEST_DSN")
-    if not dsn:
-        try:
-            cluster = EmbeddedPostgres().start()
-        except (ConfigurationError, RuntimeError) as exc:
-            pytest.exit(
-                f"No PostgreSQL for the tests: {exc}. Set PGQUEUE_TEST_DSN to a server where "
-                "this user may CREATE DATABASE, or install the PostgreSQL server binaries.",
-                returncode=3,
-            )
-        dsn = cluster.dsn
-    template = f"pgqueue_tpl_{worker_id}_{os.getpid()}"
-    with _admin(dsn) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(template)))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(template)))
-    server = Server(dsn, cluster, template)
-    with psycopg.connect(server.dsn_for(template), autocommit=True) as conn:
-        migrate(conn, "public")
+    try:
+        server = TemplateDatabases.start(label=worker_id)
+    except ConfigurationError as exc:
+        pytest.exit(str(exc), returncode=3)
     try:
         yield server
     finally:
-        if cluster is not None:
-            cluster.stop()
-        else:
-            with _admin(dsn) as conn:
-                conn.execute(
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                        sql.Identifier(template)
-                    )
-                )
+        server.close()
 
 
 @pytest.fixture
 def dsn(pg_server: Server) -> Iterator[str]:
     """A fresh, migrated database for this test alone."""
-    name = f"pgqueue_t_{uuid.uuid4().hex[:12]}"
-    with _admin(pg_server.admin_dsn) as conn:
-        conn.execute(
-            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(pg_server.template)
-            )
-        )
-    try:
-        yield pg_server.dsn_for(name)
-    finally:
-        with _admin(pg_server.admin_dsn) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    with pg_server.database() as database:
+        yield database
 
 
 @pytest.fixture
 def empty_dsn(pg_server: Server) -> Iterator[str]:
     """A fresh database with no pgqueue schema at all (for migration tests)."""
-    name = f"pgqueue_e_{uuid.uuid4().hex[:12]}"
-    with _admin(pg_server.admin_dsn) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield pg_server.dsn_for(name)
-    finally:
-        with _admin(pg_server.admin_dsn) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    with pg_server.database(migrated=False) as database:
+        yield database
 
 
 @pytest.fixture

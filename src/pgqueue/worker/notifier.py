@@ -106,11 +106,12 @@ class Notifier:
                         settle_delay = await self._announce(conn)
                         settle_at = loop.time() + (settle_delay or 0.0)
                         continue
-                    # A bounded wait, so a stop request is seen within a second.
+                    # A bounded wait (settling needs a look now and then), which a stop request
+                    # ends at once: a stopping worker does not wait out the second.
                     timeout = 1.0
                     if settle_delay is not None:
                         timeout = min(timeout, max(settle_at - loop.time(), 0.0))
-                    await self._receive(conn, timeout)
+                    await self._receive(conn, timeout, stopping)
                     if settle_delay is not None and loop.time() >= settle_at:
                         if await self._settled(conn):
                             settle_delay = None
@@ -142,8 +143,11 @@ class Notifier:
         self.wake()
         return row is not None and bool(row[0])
 
-    async def _receive(self, conn: psycopg.AsyncConnection[Any], timeout: float) -> None:
-        """Pass on notifications until ``timeout`` or until ``waiting`` changes."""
+    async def _receive(
+        self, conn: psycopg.AsyncConnection[Any], timeout: float, stopping: asyncio.Event
+    ) -> None:
+        """Pass on notifications until ``timeout``, until ``waiting`` changes or until the
+        worker stops."""
 
         async def consume() -> None:
             async for notify in conn.notifies(timeout=timeout):
@@ -156,10 +160,12 @@ class Notifier:
 
         listener = asyncio.ensure_future(consume())
         changed = asyncio.ensure_future(self._changed.wait())
+        stopped = asyncio.ensure_future(stopping.wait())
         try:
-            await asyncio.wait({listener, changed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({listener, changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             changed.cancel()
+            stopped.cancel()
             if not listener.done():
                 # Waiting for input only: nothing is half-read, the connection stays usable and
                 # notifications that arrive meanwhile wait in psycopg's backlog.

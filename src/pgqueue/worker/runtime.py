@@ -177,6 +177,9 @@ class Worker:
         self.failure: str | None = None
         #: Background wake-ups of waiting workers (see ``wake``), kept until they finish.
         self._wakes: set[asyncio.Task[None]] = set()
+        #: Called with each attempt's job and outcome once the database took the outcome (not
+        #: for a refused, stale one): how pgqueue.testing.run_until_idle records what ran.
+        self.on_outcome: Callable[[ClaimedJob, Outcome], None] | None = None
 
     # --- public ---------------------------------------------------------------------------
 
@@ -718,6 +721,8 @@ class Worker:
                     self._count_stale()
                     self.recorder.record(outcome.queue, "lost", None, None)
                 continue
+            if self.on_outcome is not None and held is not None:
+                self.on_outcome(held.job, outcome)
             kind = _STATS_KIND.get(outcome.status.value)
             if kind is not None:  # a cancelled attempt is none of the dashboard's outcomes
                 self.recorder.record(
