@@ -23,6 +23,7 @@ from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .jobs import CancelResult
+from .logcontext import JobLogFilter
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
 from .operations import STATUSES as JOB_STATUSES
 from .producer import MAX_NESTING
@@ -117,8 +118,14 @@ def _resolve_app(dsn: str | None, schema: str, app_spec: str | None) -> App:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="pgqueue")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """pgqueue: a job queue for Python where PostgreSQL is the whole broker."""
+    if ctx.invoked_subcommand != "worker":  # the worker configures its own (--log-level)
+        # pgqueue's logger has a NullHandler (a library's convention), which silences Python's
+        # last-resort stderr output: a command's warnings (a migration waiting for a lock, a
+        # dashboard that cannot read the database) are shown here instead.
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
 @main.command()
@@ -676,6 +683,8 @@ def worker(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for handler in logging.getLogger().handlers:  # records written during a job name it
+        handler.addFilter(JobLogFilter())
     app = make_app(dsn, schema, app_spec)
     app.run_worker(
         queues=[name.strip() for name in queues.split(",") if name.strip()] if queues else None,
