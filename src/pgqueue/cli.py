@@ -661,6 +661,22 @@ def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
     show_default=True,
     help="auto: uvloop when installed.",
 )
+@click.option(
+    "--health-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve liveness over HTTP on this port: GET /healthz answers 200 while the heartbeat "
+    "is recent, 503 once it stalled or the worker is stopping.",
+)
+@click.option(
+    "--health-host", default="0.0.0.0", show_default=True, help="Address of --health-port."
+)
+@click.option(
+    "--health-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Touch this file on every heartbeat (removed at stop), for an exec probe.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @db_options
 @friendly_errors
@@ -675,6 +691,9 @@ def worker(
     grace_period: float,
     no_listen: bool,
     event_loop: str,
+    health_port: int | None,
+    health_host: str,
+    health_file: str | None,
     log_level: str,
     dsn: str | None,
     schema: str,
@@ -696,6 +715,9 @@ def worker(
         grace_period=grace_period,
         listen=not no_listen,
         event_loop=event_loop,
+        health_port=health_port,
+        health_host=health_host,
+        health_file=health_file,
     )
 
 

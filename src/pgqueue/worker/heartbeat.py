@@ -59,6 +59,7 @@ class Heartbeat:
         interval: float,
         on_lost: Callable[[Held], None],
         on_cancel: Callable[[Held], None] = lambda held: None,
+        on_beat: Callable[[], None] = lambda: None,
         connect_kwargs: dict[str, Any],
     ) -> None:
         self.dsn = dsn
@@ -70,6 +71,8 @@ class Heartbeat:
         self.interval = interval
         self.on_lost = on_lost
         self.on_cancel = on_cancel
+        #: Called whenever the database extended the lease (the worker's liveness; see health).
+        self.on_beat = on_beat
         self.connect_kwargs = connect_kwargs
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self._connecting = asyncio.Lock()
@@ -93,6 +96,7 @@ class Heartbeat:
         """The database extended the lease by a statement sent at ``sent_at`` (monotonic):
         move the local deadline and the timer that acts on it."""
         state = self.state
+        self.on_beat()
         state.lease_deadline = max(state.lease_deadline, sent_at + self.lease)
         if self._timer is not None:
             self._timer.cancel()
