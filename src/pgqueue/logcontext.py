@@ -55,3 +55,9 @@ class JobLogFilter(logging.Filter):
             values.setdefault("queue", job.queue)
             values.setdefault("attempt", job.attempt)
         return True
+
+
+def job_fields(job: _Job) -> dict[str, object]:
+    """The same attributes as ``extra=``, for pgqueue's records about a job written outside its
+    attempt (a lost lease seen by the heartbeat, a refused ack)."""
+    return {"job_id": job.id, "task": job.task, "queue": job.queue, "attempt": job.attempt}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -12,7 +13,7 @@ import pytest
 
 import pgqueue
 from examples.json_logging import JsonFormatter
-from tests.helpers import running_worker
+from tests.helpers import running_worker, wait_until_async
 
 FAST = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 0.2, "reaper_interval": 1.0}
 mine = logging.getLogger("myapp.jobs")
@@ -92,3 +93,26 @@ def test_the_json_recipe_writes_the_job_fields() -> None:
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "hi there" and line["level"] == "INFO"
     assert (line["job_id"], line["task"], line["queue"], line["attempt"]) == (7, "send", "mail", 2)
+
+
+async def test_pgqueue_records_about_a_job_outside_its_attempt_name_it_too(
+    app: pgqueue.App, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancel request is seen by the worker's notifier, not in the attempt: its record names
+    the job through extra=, filter or no filter."""
+    started: list[int] = []
+
+    @app.task(queue="long")
+    async def wait_forever(ctx: pgqueue.JobContext) -> None:
+        started.append(ctx.job_id)
+        await asyncio.sleep(3600)
+
+    caplog.set_level(logging.INFO, logger="pgqueue")
+    job = wait_forever.enqueue()
+    async with running_worker(app, **FAST):
+        await wait_until_async(lambda: started == [job], timeout=30)
+        await app.cancel_async(job)
+        with pytest.raises(pgqueue.JobCancelledError):
+            await app.wait_async(job, timeout=30)
+    (record,) = [r for r in caplog.records if "cancel requested" in r.getMessage()]
+    assert job_fields(record) == (job, "wait_forever", "long", 1)

@@ -34,6 +34,7 @@ from uuid import UUID
 
 import psycopg
 
+from ..logcontext import job_fields
 from ..sql import Queries
 from .state import Held, Key, Phase, WorkerState, key_of, pause, round_failed
 
@@ -164,7 +165,10 @@ class Heartbeat:
             if h is not None and ours:
                 self.on_cancel(h)  # still ours, but someone asked to cancel it
             elif h is not None and h.phase in _WAITING_OR_RUNNING:
-                log.warning("job %d: lease lost (reaped or taken over); abandoning it", job_id)
+                log.warning(
+                    "job %d: lease lost (reaped or taken over); abandoning it", job_id,
+                    extra=job_fields(h.job),
+                )  # fmt: skip
                 self.on_lost(h)
         await self._save_progress(conn, held)
         if self._abandoned:

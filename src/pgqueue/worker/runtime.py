@@ -26,6 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 from .. import db, limits, producer, stats
 from ..errors import ConfigurationError, InvalidJobError, PgQueueError
 from ..jobs import MAX_DELAY_SECONDS
+from ..logcontext import job_fields
 from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
@@ -653,7 +654,7 @@ class Worker:
         if job.cancel_asked or held.phase not in (Phase.PREFETCHED, Phase.RUNNING):
             return
         job.cancel_asked = True
-        log.info("job %d: cancel requested; stopping it", job.id)
+        log.info("job %d: cancel requested; stopping it", job.id, extra=job_fields(job))
         if held.phase is Phase.PREFETCHED:
             with contextlib.suppress(ValueError):
                 self.state.buffer.remove(held)
@@ -742,6 +743,7 @@ class Worker:
                 log.warning(
                     "job %d: result refused, the lease was no longer ours (fenced stale write)",
                     outcome.job_id,
+                    extra=None if held is None else job_fields(held.job),
                 )
                 if held is None or not held.lost:
                     # Once per attempt: a heartbeat that already found this lease gone counted
