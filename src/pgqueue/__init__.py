@@ -1,5 +1,6 @@
 """pgqueue: a job queue for Python where PostgreSQL is the whole broker."""
 
+import logging
 from importlib.metadata import PackageNotFoundError, version
 
 from .app import App
@@ -19,7 +20,12 @@ from .errors import (
     WaitTimeoutError,
 )
 from .jobs import CancelResult, Enqueued, Job, Status
+from .logcontext import JobLogFilter
 from .tasks import Task
+
+# A library's convention: its records go wherever the application configured logging, and
+# nowhere (no "No handlers could be found" fallback to stderr) when it configured none.
+logging.getLogger("pgqueue").addHandler(logging.NullHandler())
 
 try:
     __version__ = version("pgqueue")
@@ -40,6 +46,7 @@ __all__ = [
     "JobCancelledError",
     "JobContext",
     "JobFailedError",
+    "JobLogFilter",
     "JobNotFoundError",
     "PgQueueError",
     "Retry",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
 
 import psycopg
 
@@ -44,6 +45,51 @@ R = TypeVar("R")
 JobSpec = Mapping[str, Any] | tuple[str, Mapping[str, Any]]
 
 
+def _published(
+    operation: str,
+) -> Callable[[Callable[Concatenate[App, P], R]], Callable[Concatenate[App, P], R]]:
+    """Runs the method inside the app's around-enqueue hooks, if it has any (pgqueue.hooks)."""
+
+    def decorate(method: Callable[Concatenate[App, P], R]) -> Callable[Concatenate[App, P], R]:
+        @functools.wraps(method)
+        def call(self: App, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            if not self.around_enqueue_hooks:
+                return method(self, *args, **kwargs)
+            with hooks.publishing(self.around_enqueue_hooks, operation) as publish:
+                result = method(self, *args, **kwargs)
+                publish.finish(result)
+                return result
+
+        return call
+
+    return decorate
+
+
+def _published_async(
+    operation: str,
+) -> Callable[
+    [Callable[Concatenate[App, P], Coroutine[Any, Any, R]]],
+    Callable[Concatenate[App, P], Coroutine[Any, Any, R]],
+]:
+    """``_published`` for async methods."""
+
+    def decorate(
+        method: Callable[Concatenate[App, P], Coroutine[Any, Any, R]],
+    ) -> Callable[Concatenate[App, P], Coroutine[Any, Any, R]]:
+        @functools.wraps(method)
+        async def call(self: App, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            if not self.around_enqueue_hooks:
+                return await method(self, *args, **kwargs)
+            with hooks.publishing(self.around_enqueue_hooks, operation) as publish:
+                result = await method(self, *args, **kwargs)
+                publish.finish(result)
+                return result
+
+        return call
+
+    return decorate
+
+
 class App:
     """One pgqueue application: tasks, a database and a schema.
 
@@ -70,6 +116,8 @@ class App:
         ]
         #: Sees every job before it is written (``@app.on_enqueue``).
         self.enqueue_hooks: list[hooks.EnqueueHook] = []
+        #: Wrap every call that writes jobs (``app.around_enqueue``).
+        self.around_enqueue_hooks: list[hooks.AroundEnqueue] = []
         #: False for PgBouncer's transaction pooling before 1.21 (see the PgBouncer guide): psycopg
         #: then never prepares statements server-side on pgqueue's connections. Default: on,
         #: unless ``$PGQUEUE_PREPARED_STATEMENTS`` is off, so CLI commands can turn it off too.
@@ -119,6 +167,12 @@ class App:
         """Register ``def hook(task, args, meta)``, called for every job this app enqueues,
         before it is written; it may add to ``meta`` (a trace context, a tenant)."""
         self.enqueue_hooks.append(hooks.check_enqueue_hook(func))
+        return func
+
+    def around_enqueue(self, func: hooks.AroundEnqueue) -> hooks.AroundEnqueue:
+        """Register ``def hook(publish) -> context manager``, entered around every call that
+        writes jobs (a producer span; see pgqueue.hooks), inside those registered before it."""
+        self.around_enqueue_hooks.append(hooks.check_around_enqueue(func))
         return func
 
     # --- tasks ----------------------------------------------------------------------------
@@ -363,7 +417,7 @@ class App:
         limits = registered.limits if registered and grouped else None
         if self.enqueue_hooks and grouped:
             meta = hooks.run_enqueue_hooks(self.enqueue_hooks, task, args, meta)
-        return producer.build_row(
+        row = producer.build_row(
             limit_key=None if limits is None else limits.group(task, args),
             task=task,
             args=args,
@@ -376,7 +430,13 @@ class App:
             unique=None if rule is None else (rule, key),
             meta=meta,
         )
+        if self.around_enqueue_hooks and grouped:
+            publish = hooks.current_publish.get()
+            if publish is not None:
+                publish.add(row.task, row.queue)
+        return row
 
+    @_published("enqueue")
     def enqueue(
         self,
         task: str,
@@ -427,6 +487,7 @@ class App:
             return producer.insert(connection, self.q, row)
         return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
 
+    @_published_async("enqueue")
     async def enqueue_async(
         self,
         task: str,
@@ -484,6 +545,7 @@ class App:
             if (
                 type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str
                 and not self.enqueue_hooks  # hooks see each job: the general path below
+                and not self.around_enqueue_hooks
             ):  # fmt: skip
                 template = templates.get(spec[0])
                 try:
@@ -567,6 +629,7 @@ class App:
         first = next(chunks, None)
         return None if first is None else itertools.chain([first], chunks)
 
+    @_published("enqueue_many")
     def enqueue_many(
         self,
         jobs: Iterable[JobSpec],
@@ -587,6 +650,7 @@ class App:
             return producer.copy_rows(connection, self.q, chunks)
         return self._sync_pool().run(lambda conn: producer.copy_rows(conn, self.q, chunks))
 
+    @_published_async("enqueue_many")
     async def enqueue_many_async(
         self,
         jobs: Iterable[JobSpec],
@@ -658,6 +722,7 @@ class App:
 
     # --- workflows (pgqueue.workflows) --------------------------------------------------------
 
+    @_published("chain")
     def chain(
         self, *steps: workflows.Signature, after_failure: str = "cancel",
         connection: psycopg.Connection[Any] | None = None,
@@ -678,6 +743,7 @@ class App:
 
         return self._sync_pool().run(write)
 
+    @_published("group")
     def group(
         self, members: Iterable[workflows.Signature], *, then: workflows.Signature | None = None,
         after_failure: str = "cancel", connection: psycopg.Connection[Any] | None = None,

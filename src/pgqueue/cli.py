@@ -23,6 +23,7 @@ from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .jobs import CancelResult
+from .logcontext import JobLogFilter
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
 from .operations import STATUSES as JOB_STATUSES
 from .producer import MAX_NESTING
@@ -117,8 +118,14 @@ def _resolve_app(dsn: str | None, schema: str, app_spec: str | None) -> App:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="pgqueue")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """pgqueue: a job queue for Python where PostgreSQL is the whole broker."""
+    if ctx.invoked_subcommand != "worker":  # the worker configures its own (--log-level)
+        # pgqueue's logger has a NullHandler (a library's convention), which silences Python's
+        # last-resort stderr output: a command's warnings (a migration waiting for a lock, a
+        # dashboard that cannot read the database) are shown here instead.
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
 @main.command()
@@ -654,6 +661,22 @@ def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
     show_default=True,
     help="auto: uvloop when installed.",
 )
+@click.option(
+    "--health-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve liveness over HTTP on this port: GET /healthz answers 200 while the heartbeat "
+    "is recent, 503 once it stalled or the worker is stopping.",
+)
+@click.option(
+    "--health-host", default="0.0.0.0", show_default=True, help="Address of --health-port."
+)
+@click.option(
+    "--health-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Touch this file on every heartbeat (removed at stop), for an exec probe.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @db_options
 @friendly_errors
@@ -668,6 +691,9 @@ def worker(
     grace_period: float,
     no_listen: bool,
     event_loop: str,
+    health_port: int | None,
+    health_host: str,
+    health_file: str | None,
     log_level: str,
     dsn: str | None,
     schema: str,
@@ -676,6 +702,8 @@ def worker(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for handler in logging.getLogger().handlers:  # records written during a job name it
+        handler.addFilter(JobLogFilter())
     app = make_app(dsn, schema, app_spec)
     app.run_worker(
         queues=[name.strip() for name in queues.split(",") if name.strip()] if queues else None,
@@ -687,6 +715,9 @@ def worker(
         grace_period=grace_period,
         listen=not no_listen,
         event_loop=event_loop,
+        health_port=health_port,
+        health_host=health_host,
+        health_file=health_file,
     )
 
 

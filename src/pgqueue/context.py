@@ -48,6 +48,9 @@ class JobContext:
     #: The caller's own data, set at enqueue (``configure(meta=...)``); None if none was.
     meta: dict[str, Any] | None = None
     _progress: Callable[[str], None] = field(default=_no_progress, repr=False, compare=False)
+    #: Seconds from when the job was due (its run_at) to this attempt's claim, both on the
+    #: database's clock: how long it waited for a worker (metrics; see pgqueue.contrib.otel).
+    pickup_seconds: float = 0.0
 
     def progress(self, current: float, total: float | None = None, note: str | None = None) -> None:
         """Report how far this attempt got (``pgqueue job ID``, the JSON API, the dashboard's

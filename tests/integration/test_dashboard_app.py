@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,8 +27,9 @@ from tests.helpers import ROOT
 
 DOCS = ROOT / "docs" / "dashboard.md"
 
-ROUTES = ["/", "/api/snapshot", "/api/jobs/1", "/events", "/metrics", "/health",
-          "/static/dashboard.js", "/nope"]  # fmt: skip
+ROUTES = ["/", "/api/snapshot", "/api/jobs/1", "/events", "/metrics", "/health", "/healthz",
+          "/readyz", "/static/dashboard.js", "/nope"]  # fmt: skip
+PROBES = ("/health", "/healthz", "/readyz")
 WRITE_METHODS = ["POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
 
 
@@ -265,7 +267,8 @@ def test_basic_auth_guards_everything_but_health(dsn: str) -> None:
     app = create_app(dsn, basic_auth=("admin", "s3cret"))
     with TestClient(app, base_url="http://127.0.0.1") as c:
         for route in ROUTES:
-            if route == "/health":
+            if route in PROBES:
+                assert c.get(route).status_code != 401, route
                 continue
             response = c.get(route)
             assert response.status_code == 401, route
@@ -289,3 +292,50 @@ def test_cli_refuses_nonsense_intervals(dsn: str) -> None:
         result = CliRunner().invoke(dashboard_command, ["--dsn", dsn, option, "0"])
         assert result.exit_code == 2 and "positive number of seconds" in result.output
         assert "Traceback" not in result.output
+
+
+def test_healthz_says_the_process_is_up_and_readyz_that_the_database_answers(
+    client: TestClient,
+) -> None:
+    for route in ("/healthz", "/readyz"):
+        response = client.get(route)
+        assert (response.status_code, response.text) == (200, "ok"), route
+        assert response.headers["cache-control"] == "no-store"
+
+
+def test_readyz_is_503_within_its_timeout_when_the_database_is_unreachable(dsn: str) -> None:
+    with socket.socket() as sock:  # a port nobody listens on: refused at once
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    down = conninfo.make_conninfo(dsn, host="127.0.0.1", port=port)
+    app = create_app(down, refresh_interval=0.2, ready_timeout=1.0)
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        assert c.get("/healthz").status_code == 200  # the process is up all the same
+        started = time.monotonic()
+        response = c.get("/readyz")
+        assert response.status_code == 503
+        assert response.text.startswith("database unreachable")
+        assert response.headers["cache-control"] == "no-store"
+        assert time.monotonic() - started < 5
+
+
+def test_readyz_gives_up_after_its_timeout_when_the_database_does_not_answer(dsn: str) -> None:
+    from tests.chaos.proxy import BlackholeProxy
+
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = BlackholeProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    try:
+        proxy.blackhole()  # a connection attempt hangs, as into a dead network
+        through = conninfo.make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
+        app = create_app(through, refresh_interval=0.2, ready_timeout=0.5)
+        with TestClient(app, base_url="http://127.0.0.1") as c:
+            started = time.monotonic()
+            response = c.get("/readyz")
+            assert time.monotonic() - started < 3
+            assert (response.status_code, response.text) == (
+                503, "database unreachable: no answer within 0.5 s",
+            )  # fmt: skip
+            proxy.heal()
+            wait_for(lambda: c.get("/readyz").status_code == 200)
+    finally:
+        proxy.close()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
 import pgqueue
+from pgqueue import hooks
 from tests.helpers import running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -149,3 +151,38 @@ def test_hooks_of_the_wrong_kind_are_refused_where_they_are_declared() -> None:
     app = pgqueue.App("postgresql://x/y")
     with pytest.raises(pgqueue.ConfigurationError, match="must be a plain function"):
         app.on_enqueue(async_hook)  # type: ignore[arg-type]
+
+
+async def test_around_enqueue_hooks_see_each_call_whole_and_a_failing_one_loses_nothing(
+    app: pgqueue.App, conn: Conn, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[tuple[str, dict[tuple[str, str], int], list[int] | None, int | None]] = []
+
+    @app.around_enqueue
+    @contextlib.contextmanager
+    def record(publish: hooks.Publish) -> Iterator[None]:
+        yield
+        seen.append((publish.operation, dict(publish.counts), publish.ids, publish.written))
+
+    @app.around_enqueue
+    @contextlib.contextmanager
+    def broken(publish: hooks.Publish) -> Iterator[None]:
+        yield
+        raise RuntimeError("exporter down")  # after the write: must not fail the call
+
+    @app.task(queue="q")
+    def job(n: int) -> None: ...
+
+    caplog.set_level(logging.ERROR, logger="pgqueue.hooks")
+    first = job.enqueue(n=1)
+    second = await job.enqueue_async(n=2)
+    assert app.enqueue_many([("job", {"n": 3}), ("job", {"n": 4})]) == 2
+    steps = app.chain(job.s(n=5), job.s(n=6))
+    assert seen == [
+        ("enqueue", {("job", "q"): 1}, [first], 1),
+        ("enqueue", {("job", "q"): 1}, [second], 1),
+        ("enqueue_many", {("job", "q"): 2}, None, 2),
+        ("chain", {("job", "q"): 2}, [int(s) for s in steps], 2),
+    ]
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (6,)
+    assert sum("raised on exit" in r.getMessage() for r in caplog.records) == 4

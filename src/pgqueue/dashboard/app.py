@@ -43,9 +43,11 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     late_heartbeat_seconds: float = 15.0,
     statement_timeout_ms: int = 5000,
+    ready_timeout: float = 2.0,
 ) -> Starlette:
     """The dashboard app. ``allowed_hosts`` defaults to loopback names (a guard against DNS
-    rebinding); ``late_heartbeat_seconds`` is when a worker's heartbeat counts as late."""
+    rebinding); ``late_heartbeat_seconds`` is when a worker's heartbeat counts as late;
+    ``ready_timeout`` bounds ``/readyz``'s look at the database."""
     schema = validate_schema(schema)
     if not refresh_interval > 0:
         raise ValueError("the refresh interval must be a positive number of seconds")
@@ -109,6 +111,19 @@ def create_app(
         return PlainTextResponse("ok" if refresher.healthy else "database unreachable",
                                  status_code=200 if refresher.healthy else 503)  # fmt: skip
 
+    async def healthz(request: Request) -> Response:
+        """Liveness: the process answers (the database is /readyz's business: a database
+        outage must not get every dashboard restarted)."""
+        return PlainTextResponse("ok", headers=NO_STORE)
+
+    async def readyz(request: Request) -> Response:
+        """Readiness: PostgreSQL answers now, within ``ready_timeout`` seconds."""
+        problem = await database.reachable(ready_timeout)
+        if problem is None:
+            return PlainTextResponse("ok", headers=NO_STORE)
+        return PlainTextResponse(f"database unreachable: {problem}", status_code=503,
+                                 headers=NO_STORE)  # fmt: skip
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = asyncio.create_task(refresher.run(), name="pgqueue-dashboard-refresh")
@@ -128,6 +143,8 @@ def create_app(
         Route("/events", events, methods=get),
         Route("/metrics", metrics, methods=get),
         Route("/health", health, methods=get),
+        Route("/healthz", healthz, methods=get),
+        Route("/readyz", readyz, methods=get),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,6 +59,25 @@ class Database:
             except psycopg.OperationalError:
                 await self._drop()  # a dead server or a terminated backend: reconnect next time
                 raise
+
+    async def reachable(self, timeout: float) -> str | None:
+        """None if PostgreSQL answers ``SELECT 1`` within ``timeout`` seconds, else why not. Its
+        own short-lived connection: a probe never waits behind the refresh's session, and a
+        timed-out probe never leaves that session mid-query."""
+
+        async def ping() -> None:
+            options = {**self.kwargs, "connect_timeout": max(1, math.ceil(timeout)),
+                       "application_name": f"{APPLICATION_NAME}-probe"}  # fmt: skip
+            async with await psycopg.AsyncConnection.connect(self.dsn, **options) as conn:
+                await conn.execute("SELECT 1")
+
+        try:
+            await asyncio.wait_for(ping(), timeout)
+        except TimeoutError:
+            return f"no answer within {timeout:g} s"
+        except (psycopg.Error, OSError) as exc:
+            return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        return None
 
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None

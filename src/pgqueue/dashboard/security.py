@@ -4,7 +4,8 @@
   no framing) and the usual hardening headers, on every response.
 - ``ReadOnlyMethods``: GET and HEAD only; anything else is 405 before routing or auth, which
   removes most CSRF risk: there is nothing to forge.
-- ``BasicAuth``: optional; credentials compared in constant time; ``/health`` stays open.
+- ``BasicAuth``: optional; credentials compared in constant time; the health probes
+  (``/health``, ``/healthz``, ``/readyz``) stay open.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ HEADERS = {
     "Permissions-Policy": "camera=(), microphone=(), geolocation=(), payment=()",
 }
 ALLOWED_METHODS = ("GET", "HEAD")
-OPEN_PATHS = ("/health",)
+#: Probes (a load balancer's, Kubernetes') answer without credentials; they reveal nothing.
+OPEN_PATHS = ("/health", "/healthz", "/readyz")
 
 
 class SecurityHeaders:

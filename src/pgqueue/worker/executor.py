@@ -35,6 +35,7 @@ from .. import hooks
 from ..context import JobContext
 from ..errors import Fail, Retry
 from ..jobs import MAX_DELAY_SECONDS, Status
+from ..logcontext import current_job
 from . import arrays
 from .state import ClaimedJob
 from .transactions import CommitUncertainError, Transactions
@@ -218,6 +219,7 @@ class Executor:
             max_attempts=job.max_attempts,
             lease_token=job.lease_token,
             worker_id=self.worker_id,
+            pickup_seconds=job.pickup_seconds,
             _lease_deadline=lease_deadline,
             _cancelled=lambda: job.cancel_asked,
             meta=job.meta,
@@ -235,6 +237,9 @@ class Executor:
         worker's: the caller tells them apart). ``started`` is the monotonic start time;
         ``on_ack`` is called when a handler's own transaction is about to write its ack."""
         text: str | None = None
+        # Log records of this attempt (its thread's too: see _call) name the job; JobRun gives
+        # each job its own context, so nothing is reset.
+        current_job.set(job)
         try:
             if self.app.middleware_stack:
                 ctx = self.context(job, lease_deadline)
@@ -329,9 +334,8 @@ class Executor:
             call = _no_ack(task.func(**kwargs))
         else:
             loop = asyncio.get_running_loop()
-            func = functools.partial(task.func, **kwargs)
-            if ctx is not None:  # the middleware's context variables reach the thread
-                func = functools.partial(contextvars.copy_context().run, func)
+            # The job's context variables (the log context, a middleware's) reach the thread.
+            func = functools.partial(contextvars.copy_context().run, task.func, **kwargs)
             call = _no_ack(loop.run_in_executor(self.threads, func))
         if task.timeout is None:
             return await call
@@ -378,8 +382,10 @@ class Executor:
 
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(
-            self.threads, functools.partial(self.transactions.run_sync, call_sync, ack)
-        )
+            self.threads,
+            functools.partial(contextvars.copy_context().run, self.transactions.run_sync,
+                              call_sync, ack),
+        )  # fmt: skip
 
     def _retry(self, job: ClaimedJob, started: float, delay: float, exc: BaseException) -> Outcome:
         traceback_wanted = not isinstance(

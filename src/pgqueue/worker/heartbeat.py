@@ -34,6 +34,7 @@ from uuid import UUID
 
 import psycopg
 
+from ..logcontext import job_fields
 from ..sql import Queries
 from .state import Held, Key, Phase, WorkerState, key_of, pause, round_failed
 
@@ -59,6 +60,7 @@ class Heartbeat:
         interval: float,
         on_lost: Callable[[Held], None],
         on_cancel: Callable[[Held], None] = lambda held: None,
+        on_beat: Callable[[], None] = lambda: None,
         connect_kwargs: dict[str, Any],
     ) -> None:
         self.dsn = dsn
@@ -70,6 +72,8 @@ class Heartbeat:
         self.interval = interval
         self.on_lost = on_lost
         self.on_cancel = on_cancel
+        #: Called whenever the database extended the lease (the worker's liveness; see health).
+        self.on_beat = on_beat
         self.connect_kwargs = connect_kwargs
         self.conn: psycopg.AsyncConnection[Any] | None = None
         self._connecting = asyncio.Lock()
@@ -93,6 +97,7 @@ class Heartbeat:
         """The database extended the lease by a statement sent at ``sent_at`` (monotonic):
         move the local deadline and the timer that acts on it."""
         state = self.state
+        self.on_beat()
         state.lease_deadline = max(state.lease_deadline, sent_at + self.lease)
         if self._timer is not None:
             self._timer.cancel()
@@ -160,7 +165,10 @@ class Heartbeat:
             if h is not None and ours:
                 self.on_cancel(h)  # still ours, but someone asked to cancel it
             elif h is not None and h.phase in _WAITING_OR_RUNNING:
-                log.warning("job %d: lease lost (reaped or taken over); abandoning it", job_id)
+                log.warning(
+                    "job %d: lease lost (reaped or taken over); abandoning it", job_id,
+                    extra=job_fields(h.job),
+                )  # fmt: skip
                 self.on_lost(h)
         await self._save_progress(conn, held)
         if self._abandoned:

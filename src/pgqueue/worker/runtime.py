@@ -26,9 +26,11 @@ from psycopg_pool import AsyncConnectionPool
 from .. import db, limits, producer, stats
 from ..errors import ConfigurationError, InvalidJobError, PgQueueError
 from ..jobs import MAX_DELAY_SECONDS
+from ..logcontext import job_fields
 from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
+from .health import HealthServer, Liveness
 from .heartbeat import Heartbeat
 from .notifier import Notifier
 from .reaper import Reaper
@@ -86,7 +88,12 @@ class Worker:
       None keeps them);
     - ``event_loop``: the loop ``run_sync`` starts: ``"auto"`` (uvloop when it is installed, as
       it is by default on Linux and macOS: the loop's cost is paid per job), ``"uvloop"`` or
-      ``"asyncio"``. ``await worker.run()`` runs on whatever loop the caller has.
+      ``"asyncio"``. ``await worker.run()`` runs on whatever loop the caller has;
+    - ``health_port``: serve liveness over HTTP on this port (``GET /healthz``: 200 while the
+      heartbeat is recent, 503 once it stalled or the worker is stopping; see
+      ``pgqueue.worker.health``), on ``health_host`` (default all interfaces, as a probe
+      comes from outside a container); ``health_file``: a file touched on every heartbeat and
+      removed at stop, for an exec probe.
     """
 
     def __init__(
@@ -106,6 +113,9 @@ class Worker:
         install_signal_handlers: bool = True,
         flush_interval: float = 0.002,
         event_loop: str = "auto",
+        health_port: int | None = None,
+        health_host: str = "0.0.0.0",
+        health_file: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError("concurrency must be a positive integer")
@@ -140,6 +150,11 @@ class Worker:
             seconds("reaper_interval", reaper_interval)
         if retention is not None:
             seconds("retention", retention, zero=True)
+        if health_port is not None and (
+            isinstance(health_port, bool) or not isinstance(health_port, int)
+            or not 0 <= health_port <= 65535
+        ):  # fmt: skip
+            raise ConfigurationError("health_port must be a port number (0 picks a free one)")
         if event_loop not in EVENT_LOOPS:
             raise ConfigurationError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         if queues is not None:
@@ -168,6 +183,11 @@ class Worker:
         self.concurrency = concurrency
         self.prefetch = prefetch
         self.event_loop = event_loop
+        self.health_port = health_port
+        self.health_host = health_host
+        self.liveness = Liveness(self.heartbeat_interval, health_file)
+        #: The liveness endpoint while the worker runs (``health.port``: the bound port).
+        self.health: HealthServer | None = None
         self.state: WorkerState | None = None
         self.started = threading.Event()
         self.stopped = threading.Event()
@@ -278,6 +298,7 @@ class Worker:
             interval=self.heartbeat_interval,
             on_lost=self._on_lost,
             on_cancel=self._on_cancel,
+            on_beat=self.liveness.beat,
             connect_kwargs=connect_kwargs("heartbeat"),
         )
         self.reaper = Reaper(
@@ -311,8 +332,12 @@ class Worker:
         # must stop it gracefully (exit 0), not kill it with the default action.
         self._install_signals()
         try:
+            if self.health_port is not None:
+                self.health = HealthServer(self.liveness, self.health_host, self.health_port)
+                self.health.start()
             await self._register(pool)
         except BaseException:
+            await self._close_health()
             self._remove_signals()
             await self.heartbeat.close()
             await ack_pool.close()
@@ -365,6 +390,7 @@ class Worker:
             await ack_pool.close()
             await pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
+            await self._close_health()
             self._remove_signals()
             self.stopped.set()
             log.info("worker %s stopped", self.id)
@@ -424,8 +450,14 @@ class Worker:
         except (psycopg.Error, OSError) as exc:
             log.warning("could not deregister (%s); the row will be pruned", exc)
 
+    async def _close_health(self) -> None:
+        self.liveness.stop()
+        if self.health is not None:
+            await asyncio.to_thread(self.health.close)  # waits for its loop's next poll
+
     def _begin_stop(self) -> None:
         assert self.state is not None
+        self.liveness.stopping = True
         if not self.state.stopping.is_set():
             log.info("stopping: no new claims; running jobs get %gs to finish", self.grace_period)
             self.state.stopping.set()
@@ -625,7 +657,7 @@ class Worker:
         if job.cancel_asked or held.phase not in (Phase.PREFETCHED, Phase.RUNNING):
             return
         job.cancel_asked = True
-        log.info("job %d: cancel requested; stopping it", job.id)
+        log.info("job %d: cancel requested; stopping it", job.id, extra=job_fields(job))
         if held.phase is Phase.PREFETCHED:
             with contextlib.suppress(ValueError):
                 self.state.buffer.remove(held)
@@ -714,6 +746,7 @@ class Worker:
                 log.warning(
                     "job %d: result refused, the lease was no longer ours (fenced stale write)",
                     outcome.job_id,
+                    extra=None if held is None else job_fields(held.job),
                 )
                 if held is None or not held.lost:
                     # Once per attempt: a heartbeat that already found this lease gone counted

@@ -1,0 +1,1 @@
+"""Integrations with other libraries: each imports pgqueue, never the other way round."""
