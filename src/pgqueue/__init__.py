@@ -22,7 +22,7 @@ from .jobs import CancelResult, Enqueued, Job, Status
 from .tasks import Task
 
 try:
-    __version__ = version("pgqueue")
+    __version__ = version("pgqueue-jobs")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0"
 

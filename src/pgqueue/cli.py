@@ -710,7 +710,7 @@ main.add_command(bench_command, "bench")
 @click.option(
     "--postgres", "backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
     help="Throwaway server: the local PostgreSQL binaries, the pgserver package "
-    "(pgqueue[embedded]), or auto (local first).",
+    "(pgqueue-jobs[embedded]), or auto (local first).",
 )  # fmt: skip
 @friendly_errors
 def demo(dsn: str | None, schema: str | None, port: int, backend: str) -> None:
@@ -730,9 +730,9 @@ except ImportError:  # the optional extra is not installed
     @main.command("dashboard", context_settings={"ignore_unknown_options": True})
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
     def dashboard_command(args: tuple[str, ...]) -> None:
-        """Serve the read-only dashboard (needs `pip install 'pgqueue[dashboard]'`)."""
+        """Serve the read-only dashboard (needs `pip install 'pgqueue-jobs[dashboard]'`)."""
         click.echo(
-            "error: the dashboard needs its extra: pip install 'pgqueue[dashboard]'", err=True
+            "error: the dashboard needs its extra: pip install 'pgqueue-jobs[dashboard]'", err=True
         )
         sys.exit(1)
 else:
