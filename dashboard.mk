@@ -10,12 +10,30 @@ VENDOR_FILES := $(VENDOR)/uPlot.iife.min.js $(VENDOR)/uPlot.min.css
 
 assets: $(VENDOR_FILES)
 
-node_modules/.package-lock.json: package.json package-lock.json
+# The copies depend on the pin itself, not on node_modules: where they are built already (a
+# source distribution ships them), npm is not needed at all.
+$(VENDOR)/uPlot.iife.min.js: package.json package-lock.json
 	npm ci --no-audit --no-fund --ignore-scripts
-
-$(VENDOR)/%: node_modules/.package-lock.json
 	mkdir -p $(VENDOR)
-	cp node_modules/uplot/dist/$* $@
+	cp node_modules/uplot/dist/uPlot.iife.min.js $@
+	cp node_modules/uplot/dist/uPlot.min.css $(VENDOR)/uPlot.min.css
+
+$(VENDOR)/uPlot.min.css: $(VENDOR)/uPlot.iife.min.js
+
+# Without npm, a goal that must build the assets stops here, while make reads its files: before
+# the virtual environment and its pip install, which take a minute and would end in
+# "npm: No such file or directory".
+ASSET_GOALS := assets demo test screenshot
+ASSETS_TO_BUILD := $(shell for f in $(VENDOR_FILES); do \
+	[ -f "$$f" ] && [ "$$f" -nt package.json ] && [ "$$f" -nt package-lock.json ] || echo "$$f"; \
+	done)
+ifneq ($(ASSETS_TO_BUILD),)
+ifneq ($(filter $(ASSET_GOALS),$(or $(MAKECMDGOALS),assets)),)
+ifeq ($(shell command -v npm),)
+$(error npm is needed to build the dashboard's chart library from package-lock.json: install Node.js with npm (e.g. `apt-get install npm`, `brew install node`, or https://nodejs.org) and run make again)
+endif
+endif
+endif
 
 clean-assets:
 	rm -rf node_modules $(VENDOR)

@@ -28,7 +28,7 @@ from .tasks import Task
 logging.getLogger("pgqueue").addHandler(logging.NullHandler())
 
 try:
-    __version__ = version("pgqueue")
+    __version__ = version("pgqueue-jobs")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0"
 

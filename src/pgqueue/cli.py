@@ -1,5 +1,6 @@
 """The ``pgqueue`` command. Every command takes ``--dsn`` (else $PGQUEUE_DSN, else $DATABASE_URL)
-and ``--schema``; an unreachable database is one line on stderr and exit status 2."""
+and ``--schema``; an unreachable database is one line on stderr and exit status 2. Every option
+can also come from the environment (``PGQUEUE_WORKER_CONCURRENCY``; see environment.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 import click
 import psycopg
 
-from . import __version__, limits, queues
+from . import __version__, environment, limits, queues
 from .app import App
 from .bench.cli import bench_command
 from .db import validate_schema
@@ -24,7 +25,7 @@ from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .jobs import CancelResult
 from .logcontext import JobLogFilter
-from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT
+from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT, migration_script
 from .operations import STATUSES as JOB_STATUSES
 from .producer import MAX_NESTING
 from .schedules_cli import schedules_command
@@ -116,7 +117,7 @@ def _resolve_app(dsn: str | None, schema: str, app_spec: str | None) -> App:
     return app
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=environment.Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="pgqueue")
 @click.pass_context
 def main(ctx: click.Context) -> None:
@@ -145,11 +146,50 @@ def main(ctx: click.Context) -> None:
     help="Seconds after which a step that still cannot take its locks fails, naming the "
     "sessions that hold them (work under way is never interrupted).",
 )
+@click.option(
+    "--sql",
+    "as_sql",
+    is_flag=True,
+    help="Print the migrations as one SQL script for `psql -v ON_ERROR_STOP=1 -f` (or your own "
+    "migration tool) instead of applying them; needs no database.",
+)
+@click.option(
+    "--from",
+    "from_version",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="VERSION",
+    help="With --sql: start at this version (e.g. 12; default: the first).",
+)
+@click.option(
+    "--to",
+    "to_version",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="VERSION",
+    help="With --sql: end at this version, included (default: the latest).",
+)
 @db_options
 @friendly_errors
-def migrate(dsn: str | None, schema: str, lock_timeout: float, timeout: float) -> None:
+def migrate(
+    dsn: str | None,
+    schema: str,
+    lock_timeout: float,
+    timeout: float,
+    as_sql: bool,
+    from_version: int | None,
+    to_version: int | None,
+) -> None:
     """Create or upgrade pgqueue's tables, safely on a live system: each migration in its own
-    transaction, lock waits bounded and retried (idempotent, safe to run concurrently)."""
+    transaction, lock waits bounded and retried (idempotent, safe to run concurrently). With
+    --sql, print them instead, for a schema managed by Alembic, Django, Flyway or a DBA."""
+    if as_sql:
+        click.echo(
+            migration_script(schema, from_version=from_version, to_version=to_version), nl=False
+        )
+        return
+    if from_version is not None or to_version is not None:
+        raise click.UsageError("--from and --to go with --sql (migrate applies what is missing)")
     applied = make_app(dsn, schema).migrate(lock_timeout=lock_timeout, timeout=timeout)
     if applied:
         click.echo(f"applied migrations: {', '.join(f'{v:04d}' for v in applied)}")
@@ -741,7 +781,7 @@ main.add_command(bench_command, "bench")
 @click.option(
     "--postgres", "backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
     help="Throwaway server: the local PostgreSQL binaries, the pgserver package "
-    "(pgqueue[embedded]), or auto (local first).",
+    "(pgqueue-jobs[embedded]), or auto (local first).",
 )  # fmt: skip
 @friendly_errors
 def demo(dsn: str | None, schema: str | None, port: int, backend: str) -> None:
@@ -761,13 +801,15 @@ except ImportError:  # the optional extra is not installed
     @main.command("dashboard", context_settings={"ignore_unknown_options": True})
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
     def dashboard_command(args: tuple[str, ...]) -> None:
-        """Serve the read-only dashboard (needs `pip install 'pgqueue[dashboard]'`)."""
+        """Serve the read-only dashboard (needs `pip install 'pgqueue-jobs[dashboard]'`)."""
         click.echo(
-            "error: the dashboard needs its extra: pip install 'pgqueue[dashboard]'", err=True
+            "error: the dashboard needs its extra: pip install 'pgqueue-jobs[dashboard]'", err=True
         )
         sys.exit(1)
 else:
     main.add_command(dashboard_command, "dashboard")
+
+environment.read_from_environment(main)
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@ Used by the test harness and by ``pgqueue demo``. PostgreSQL refuses to run as r
 the cluster is created and started as the unprivileged ``postgres`` user.
 
 Where no server binaries are installed, ``pgqueue demo`` falls back to the ``pgserver`` package
-(the ``pgqueue[embedded]`` extra), which ships PostgreSQL's binaries in its wheel.
+(the ``pgqueue-jobs[embedded]`` extra), which ships PostgreSQL's binaries in its wheel.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class PgserverPostgres:
         if pgserver is None:
             shutil.rmtree(self.path, ignore_errors=True)
             raise ConfigurationError(
-                "the pgserver package is not installed: pip install 'pgqueue[embedded]'"
+                "the pgserver package is not installed: pip install 'pgqueue-jobs[embedded]'"
             )
         try:
             self.server = pgserver.get_server(self.path, cleanup_mode="delete")
@@ -279,7 +279,7 @@ def start_throwaway(backend: str = "auto") -> LocalPostgres | PgserverPostgres:
     if import_pgserver() is None:
         raise ConfigurationError(
             f"{local_problem or 'no local PostgreSQL'}; nor is the pgserver package installed "
-            "(pip install 'pgqueue[embedded]', which ships PostgreSQL). Or give a database: "
+            "(pip install 'pgqueue-jobs[embedded]', which ships PostgreSQL). Or give a database: "
             "--dsn or $PGQUEUE_DSN"
         )
     return PgserverPostgres().start()

@@ -148,6 +148,85 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str = "public") -> l
     return [int(row[0]) for row in rows]
 
 
+# --- as a script ------------------------------------------------------------------------------
+
+
+def migration_script(
+    schema: str = "public",
+    *,
+    from_version: int | None = None,
+    to_version: int | None = None,
+    migrations: Sequence[Migration] | None = None,
+) -> str:
+    """The migrations from ``from_version`` to ``to_version`` (both included; default: all) as
+    one SQL script, for teams whose schema changes go through their own tool (Alembic, Django,
+    Flyway) or a DBA. ``psql -v ON_ERROR_STOP=1 -f`` runs it as ``migrate()`` would: each
+    version in a transaction of its own that records it in ``pgqueue_migrations`` (so a later
+    ``pgqueue migrate`` finds it applied), a ``no-transaction`` version statement by statement
+    outside any, under the same advisory lock. What it cannot do is the runner's lock-wait
+    bounding and retrying, and its rebuild of an index left invalid by an interrupted build."""
+    schema = validate_schema(schema)
+    chosen = [
+        m
+        for m in (available() if migrations is None else _in_order(migrations))
+        if (from_version is None or m.version >= from_version)
+        and (to_version is None or m.version <= to_version)
+    ]
+    if not chosen:
+        raise ConfigurationError(
+            f"no migration from {from_version or 1:04d} to {to_version or 'the latest'}"
+        )
+    q = _queries(schema)
+    key = sql.Literal(f"pgqueue.migrate:{schema}").as_string()
+    name = sql.Literal(schema).as_string()
+    span = chosen[0].label + (f" to {chosen[-1].label}" if len(chosen) > 1 else "")
+    parts = [
+        f"-- pgqueue's migrations {span}, for schema {schema}: `pgqueue migrate --sql`.",
+        "-- Run with `psql -v ON_ERROR_STOP=1 -f FILE`: each version is a transaction of its own",
+        "-- that records it in pgqueue_migrations; a no-transaction version (concurrent index",
+        "-- builds) runs statement by statement, and each of its statements is safe to run again.",
+        "",
+        "-- Serialise with `pgqueue migrate` (its session lock, tried rather than waited for).",
+        "DO $pgqueue$ BEGIN",
+        f"    IF NOT pg_try_advisory_lock(hashtextextended({key}, 0)) THEN",
+        f"        RAISE EXCEPTION 'another migration of schema % is running', {name};",
+        "    END IF;",
+        "END $pgqueue$;",
+        "",
+        f"{q['create_schema'].decode()};",
+        f"{q['create_migrations_table'].decode()};",
+    ]
+    for migration in chosen:
+        record = render(
+            "INSERT INTO {schema}.pgqueue_migrations (version, name) VALUES ({version}, {name})",
+            schema,
+            version=str(migration.version),
+            name=sql.Literal(migration.name).as_string(),
+        ).decode()
+        if migration.transactional:
+            body = render(_terminated(migration.text), schema).decode().strip()
+            parts += ["", f"-- pgqueue migration {migration.label}", "BEGIN;", body,
+                      f"{record};", "COMMIT;"]  # fmt: skip
+        else:
+            parts += ["", f"-- pgqueue migration {migration.label} (no-transaction: outside any"
+                      " transaction, statement by statement)"]  # fmt: skip
+            parts += [f"{render(s, schema).decode()};" for s in migration.statements]
+            parts.append(f"{record};")
+    parts += ["", f"SELECT pg_advisory_unlock(hashtextextended({key}, 0));", ""]
+    return "\n".join(parts)
+
+
+def _terminated(text: str) -> str:
+    """The file's text with a semicolon after its last statement (which may lack one)."""
+    lines = text.rstrip().splitlines()
+    tail: list[str] = []
+    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
+        tail.insert(0, lines.pop())
+    if lines and not lines[-1].rstrip().endswith(";"):
+        lines[-1] = lines[-1].rstrip() + ";"
+    return "\n".join(lines + tail)
+
+
 # --- running ---------------------------------------------------------------------------------
 
 

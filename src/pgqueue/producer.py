@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from json.encoder import _make_iterencode  # type: ignore[attr-defined]
 from typing import Any, NamedTuple
 
 import psycopg
@@ -243,13 +242,22 @@ def _float_text(value: float) -> str:
     return f"{int(value)}.0" if "e+" in text else text
 
 
-def _exact_float_encoder(args: Mapping[str, Any]) -> Iterator[str]:
-    # The C encoder cannot take a float formatter; the stdlib's pure-Python one can.
-    iterencode = _make_iterencode(
-        {}, None, json.encoder.encode_basestring, None, _float_text, ":", ",", False, False, True
-    )
-    result: Iterator[str] = iterencode(args, 0)
-    return result
+def _exact_json(value: Any) -> str:
+    """JSON text like ``_ENCODER``'s, with floats written by ``_float_text``. The C encoder takes
+    no float formatter, so the rare arguments holding a float of 1e16 or more are written by
+    this walk, with public API only (values were checked by ``_check_value`` first)."""
+    if isinstance(value, str):
+        return _ENCODER.encode(value)
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else ("true" if value else "false")
+    if isinstance(value, float):
+        return _float_text(value)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, Mapping):
+        items = (f"{_ENCODER.encode(k)}:{_exact_json(v)}" for k, v in value.items())
+        return "{" + ",".join(items) + "}"
+    return "[" + ",".join(_exact_json(item) for item in value) + "]"
 
 
 def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
@@ -266,7 +274,7 @@ def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
     try:
         text = _ENCODER.encode(args)
         if "e+" in text:  # rare: maybe a float >= 1e16, which jsonb would turn into an integer
-            text = "".join(_exact_float_encoder(args))
+            text = _exact_json(args)
     except ValueError as exc:  # e.g. an int beyond Python's int-to-str digit limit
         raise InvalidJobError(f"arguments are not JSON-serialisable: {exc}") from None
     size = len(text.encode("utf-8"))

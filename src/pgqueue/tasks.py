@@ -7,7 +7,18 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    get_origin,
+    get_type_hints,
+    overload,
+)
 
 import psycopg
 
@@ -23,9 +34,59 @@ if TYPE_CHECKING:
     from .app import App
 
 P = ParamSpec("P")
+Q = ParamSpec("Q")
 R = TypeVar("R")
 
 Connection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+SyncConnection = psycopg.Connection[Any]
+AsyncConnection = psycopg.AsyncConnection[Any]
+
+
+# Typed enqueue (docs/reference/api.md#typed-enqueue): ``enqueue`` takes the handler's parameters
+# minus those the worker fills, when they lead: a JobContext, then a psycopg connection. Each
+# protocol below matches a task whose handler starts that way, and leaves the rest (Q) to the
+# caller. They are matched through ``func``'s type, as a function is matched to a parameter:
+# strictly (``self: Task[Concatenate[JobContext, Q], R]`` is matched loosely by both mypy and
+# pyright, and a handler starting with a ``str`` would lose it). A handler whose first parameter
+# is untyped or ``Any`` matches them too, but then also the plain signature: nothing it accepts
+# is refused.
+class _TakesContextAndAsyncConnection(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[JobContext, AsyncConnection, Q], Any]: ...
+
+
+class _TakesContextAndConnection(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[JobContext, SyncConnection, Q], Any]: ...
+
+
+class _TakesContext(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[JobContext, Q], Any]: ...
+
+
+class _TakesAsyncConnection(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[AsyncConnection, Q], Any]: ...
+
+
+class _TakesConnection(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[SyncConnection, Q], Any]: ...
+
+
+# A callback (a step of a chain, a group's ``then``, a job with ``after=``) may leave out the
+# ``results`` the worker fills: when it leads (after a JobContext) and takes a list. Any handler
+# whose first parameter takes a list may then leave it out of ``s()`` and ``configure()``'s
+# enqueue: not caught by the type checker, still refused at enqueue unless it is a callback's.
+class _TakesResults(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[list[Any], Q], Any]: ...
+
+
+class _TakesContextAndResults(Protocol[Q]):
+    @property
+    def func(self) -> Callable[Concatenate[JobContext, list[Any], Q], Any]: ...
 
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
@@ -95,7 +156,8 @@ class TaskOptions:
 class Task(Generic[P, R]):
     """A registered handler. ``enqueue`` takes the handler's keyword arguments (checked against
     its signature at enqueue time, minus the ``JobContext`` and connection parameters, which
-    the worker fills). Calling the task runs the handler in-process."""
+    the worker fills; mypy and pyright check them too when those lead the handler's
+    parameters). Calling the task runs the handler in-process."""
 
     def __init__(
         self,
@@ -208,8 +270,64 @@ class Task(Generic[P, R]):
         changes["unique"], changes["unique_key"] = rule, key
         return ConfiguredTask(self, replace(self.options, **changes))
 
+    @overload
+    def enqueue(
+        self: _TakesContextAndAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    def enqueue(
+        self: _TakesContextAndConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesContext[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesConnection[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued: ...
+
     def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
+        """Queue a job with the handler's arguments, by keyword (checked by mypy and pyright
+        against the handler's signature, without the parameters the worker fills)."""
         return ConfiguredTask(self, self.options).enqueue(*args, **kwargs)
+
+    @overload
+    def s(
+        self: _TakesContextAndAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> workflows.Signature: ...
+
+    @overload
+    def s(
+        self: _TakesContextAndConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> workflows.Signature: ...
+
+    @overload
+    def s(self: _TakesContext[Q], *args: Q.args, **kwargs: Q.kwargs) -> workflows.Signature: ...
+
+    @overload
+    def s(
+        self: _TakesAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> workflows.Signature: ...
+
+    @overload
+    def s(self: _TakesConnection[Q], *args: Q.args, **kwargs: Q.kwargs) -> workflows.Signature: ...
+
+    @overload
+    def s(
+        self: _TakesContextAndResults[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> workflows.Signature: ...
+
+    @overload
+    def s(self: _TakesResults[Q], *args: Q.args, **kwargs: Q.kwargs) -> workflows.Signature: ...
+
+    @overload
+    def s(self, *args: P.args, **kwargs: P.kwargs) -> workflows.Signature: ...
 
     def s(self, *args: Any, **kwargs: Any) -> workflows.Signature:
         """This task with these arguments, not enqueued yet: a step of ``app.chain`` or a member
@@ -217,6 +335,34 @@ class Task(Generic[P, R]):
         if args:
             raise InvalidJobError("pass task arguments by keyword: they are stored as JSON by name")
         return workflows.Signature(self, kwargs)
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContextAndAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContextAndConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContext[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued: ...
 
     async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         return await ConfiguredTask(self, self.options).enqueue_async(*args, **kwargs)
@@ -227,11 +373,46 @@ class ConfiguredTask(Generic[P]):
         self.task = task
         self.options = options
 
+    @property
+    def func(self) -> Callable[P, Any]:
+        """The task's handler: what typed enqueue matches (see the protocols above)."""
+        return self.task.func
+
     def _kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if args:
             raise InvalidJobError("pass task arguments by keyword: they are stored as JSON by name")
         self.task.check_args(kwargs, callback=self.options.after is not None)
         return kwargs
+
+    @overload
+    def enqueue(
+        self: _TakesContextAndAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    def enqueue(
+        self: _TakesContextAndConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesContext[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesConnection[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(
+        self: _TakesContextAndResults[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    def enqueue(self: _TakesResults[Q], *args: Q.args, **kwargs: Q.kwargs) -> Enqueued: ...
+
+    @overload
+    def enqueue(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued: ...
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
@@ -252,6 +433,44 @@ class ConfiguredTask(Generic[P]):
             after_failure=o.after_failure,
             **_unique_options(self.task, o),
         )
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContextAndAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContextAndConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContext[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesAsyncConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesConnection[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesContextAndResults[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(
+        self: _TakesResults[Q], *args: Q.args, **kwargs: Q.kwargs
+    ) -> Enqueued: ...
+
+    @overload
+    async def enqueue_async(self, *args: P.args, **kwargs: P.kwargs) -> Enqueued: ...
 
     async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options

@@ -217,7 +217,9 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-@pytest.mark.skipif(import_pgserver() is None, reason="needs pgqueue[embedded] (CPython <= 3.12)")
+@pytest.mark.skipif(
+    import_pgserver() is None, reason="needs pgqueue-jobs[embedded] (CPython <= 3.12)"
+)
 @pytest.mark.timeout(300)
 def test_demo_falls_back_to_pgservers_postgresql(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "pgqueue.cli", "demo", "--postgres", "pgserver",

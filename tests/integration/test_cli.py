@@ -34,8 +34,8 @@ def run(runner: CliRunner, *args: str, env: dict[str, str] | None = None) -> Res
 def test_version_prints_the_package_version(runner: CliRunner) -> None:
     result = run(runner, "--version")
     assert result.exit_code == 0
-    assert result.output.strip() == f"pgqueue, version {version('pgqueue')}"
-    assert pgqueue.__version__ == version("pgqueue")
+    assert result.output.strip() == f"pgqueue, version {version('pgqueue-jobs')}"
+    assert pgqueue.__version__ == version("pgqueue-jobs")
 
 
 def test_version_from_a_real_subprocess() -> None:
@@ -43,7 +43,7 @@ def test_version_from_a_real_subprocess() -> None:
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "pgqueue.cli"]
     out = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert version("pgqueue") in out.stdout
+    assert version("pgqueue-jobs") in out.stdout
 
 
 def test_migrate_then_up_to_date(runner: CliRunner, empty_dsn: str) -> None:

@@ -38,5 +38,5 @@ def test_no_local_server_and_no_pgserver_says_what_to_install(
         start_throwaway("auto")
     message = str(error.value)
     assert "PostgreSQL server binaries" in message
-    assert "pip install 'pgqueue[embedded]'" in message
+    assert "pip install 'pgqueue-jobs[embedded]'" in message
     assert "--dsn" in message

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 import pgqueue
+from pgqueue import environment
+from pgqueue.cli import main
 from pgqueue.tasks import Task
 from pgqueue.worker.runtime import Worker
 
@@ -69,3 +71,25 @@ def test_every_environment_variable_is_documented() -> None:
         in_code |= set(re.findall(r'environ\.get\("([A-Z_]+)"', text))
         in_code |= set(re.findall(r'envvar="([A-Z_]+)"', text))
     assert first_column(section("Environment variables")) == in_code
+
+
+@pytest.mark.parametrize(
+    ("command", "title"),
+    [
+        ("worker", "Workers"),
+        ("dashboard", "Dashboard"),
+        ("migrate", "Migrations"),
+        ("demo", "Demo"),
+    ],
+)
+def test_every_option_of_the_command_has_its_environment_variable_documented(
+    command: str, title: str
+) -> None:
+    variables = {
+        str(option.envvar) for path, option in environment.options(main) if path == (command,)
+    }
+    assert variables, f"pgqueue {command} has no options?"
+    documented = set(re.findall(r"`(PGQUEUE_[A-Z_]+)`", section(title)))
+    assert variables - documented == set()
+    # and the page names none the command does not read
+    assert {v for v in documented if v.startswith(f"PGQUEUE_{command.upper()}_")} <= variables

@@ -54,7 +54,9 @@ def bench_command(
     try:
         from rich.console import Console
     except ImportError:
-        click.echo("error: the benchmark needs its extra: pip install 'pgqueue[bench]'", err=True)
+        click.echo(
+            "error: the benchmark needs its extra: pip install 'pgqueue-jobs[bench]'", err=True
+        )
         sys.exit(1)
     from . import runner
 

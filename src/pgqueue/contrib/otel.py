@@ -1,6 +1,6 @@
 """OpenTelemetry traces and metrics for an app, through the OpenTelemetry API only.
 
-``pip install 'pgqueue[otel]'``, then once, where the app is set up::
+``pip install 'pgqueue-jobs[otel]'``, then once, where the app is set up::
 
     from pgqueue.contrib import otel
     otel.instrument(app)

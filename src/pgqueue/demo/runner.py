@@ -125,7 +125,7 @@ class Demo:
             if importlib.util.find_spec(module) is None:
                 raise DemoError(
                     "the demo shows the dashboard, which needs its extra: "
-                    "pip install 'pgqueue[dashboard]'"
+                    "pip install 'pgqueue-jobs[dashboard]'"
                 )
         if self.dsn is None:
             self.out.say("Starting a throwaway PostgreSQL ...")

@@ -45,7 +45,7 @@ def build_report(report_id: int) -> int:
 
 
 @app.task(queue="webhooks", max_attempts=5)
-async def deliver_webhook(url: str, ctx: pgqueue.JobContext) -> None:
+async def deliver_webhook(ctx: pgqueue.JobContext, url: str) -> None:
     """The partner answers 429 to every other first attempt: ``Retry`` asks for exactly the
     delay its Retry-After header gave, instead of the backoff formula."""
     await asyncio.sleep(random.uniform(0.02, 0.1))
