@@ -312,6 +312,25 @@ class App:
         """``close()`` for async code (closing never waits on the network)."""
         self.close()
 
+    # An app used as a context manager is checked when the block starts (a missing or invalid
+    # DSN fails at startup, not at the first request) and its connections closed when it ends:
+    # ``async with App(...) as app`` fits an ASGI lifespan. No connection is made up front, so a
+    # database that is down does not stop the process from starting.
+
+    def __enter__(self) -> App:
+        self._sync_pool()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> App:
+        await self._async_pool()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled sync connection (autocommit), as a context manager. Getting one raises

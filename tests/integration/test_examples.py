@@ -12,7 +12,7 @@ from psycopg import conninfo
 import pgqueue
 from examples import quickstart
 from examples.shop import tasks
-from tests.helpers import running_worker, wait_until_async
+from tests.helpers import running_worker, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -33,6 +33,16 @@ def receipts(conn: Conn) -> list[tuple[Any, ...]]:
         "SELECT o.id, j.queue FROM orders o"
         " JOIN pgqueue_jobs j ON j.task = 'send_receipt' AND (j.args->>'order_id')::bigint = o.id"
     ).fetchall()
+
+
+def sessions(conn: Conn) -> int:
+    """Other connections to the test's database than ``conn``."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def counts(conn: Conn) -> tuple[int, int]:
@@ -113,19 +123,19 @@ async def test_fastapi_endpoints_enqueue(conn: Conn, shop: pgqueue.App) -> None:
 
     from examples.shop.fastapi_app import api
 
-    transport = httpx2.ASGITransport(app=api)
-    try:
+    transport = httpx2.ASGITransport(app=api)  # it does not run the lifespan: entered here
+    async with api.router.lifespan_context(api):
         async with httpx2.AsyncClient(transport=transport, base_url="http://test") as client:
             created = await client.post("/orders", json={"customer": "ada", "total_cents": 4200})
             assert created.status_code == 201
             order_id = created.json()["order_id"]
             resent = await client.post(f"/orders/{order_id}/resend-receipt")
             assert resent.status_code == 202
-        assert receipts(conn) == [(order_id, "emails"), (order_id, "emails")]
-        job = shop.get_job(resent.json()["job_id"])
-        assert job is not None and job.args == {"order_id": order_id}
-    finally:
-        await shop.aclose()
+        assert sessions(conn) == 1  # pgqueue's pool for this loop, open while the app runs
+    wait_until(lambda: sessions(conn) == 0, what="the lifespan closed pgqueue's connections")
+    assert receipts(conn) == [(order_id, "emails"), (order_id, "emails")]
+    job = shop.get_job(resent.json()["job_id"])
+    assert job is not None and job.args == {"order_id": order_id}
 
 
 def test_django_order_and_receipt_commit_or_roll_back_together(
