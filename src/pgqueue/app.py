@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 import psycopg
 
 from . import (
+    connections,
     db,
     hooks,
     limits,
@@ -406,7 +407,7 @@ class App:
         max_attempts: int | None = None,
         delay: float | timedelta | None = None,
         run_at: datetime | None = None,
-        connection: psycopg.Connection[Any] | None = None,
+        connection: connections.SyncConnection | None = None,
         allow_unknown: bool = False,
         unique: UniqueBy | None = None,
         unique_key: str | None = None,
@@ -417,8 +418,9 @@ class App:
         after: Iterable[int] | None = None,
         after_failure: str = "cancel",
     ) -> Enqueued:
-        """Queue one job and return its id. With ``connection``, the job exists only if that
-        connection's transaction commits. For a unique job (the task's ``unique``, or
+        """Queue one job and return its id. With ``connection`` (a psycopg connection, or a
+        SQLAlchemy session on the psycopg driver), the job exists only if that transaction
+        commits. For a unique job (the task's ``unique``, or
         ``unique_key``/``unique=`` here) the id may be an existing job's: ``.duplicate`` says so.
 
         Raises InvalidJobError (nothing written) for a bad job, and DatabaseUnavailableError
@@ -443,7 +445,7 @@ class App:
         )
         row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
-            return producer.insert(connection, self.q, row)
+            return producer.insert(connections.sync_connection(connection), self.q, row)
         return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
 
     async def enqueue_async(
@@ -456,7 +458,7 @@ class App:
         max_attempts: int | None = None,
         delay: float | timedelta | None = None,
         run_at: datetime | None = None,
-        connection: psycopg.AsyncConnection[Any] | None = None,
+        connection: connections.AsyncConnection | None = None,
         allow_unknown: bool = False,
         unique: UniqueBy | None = None,
         unique_key: str | None = None,
@@ -486,7 +488,8 @@ class App:
         )
         row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
-            return await producer.insert_async(connection, self.q, row)
+            conn = await connections.async_connection(connection)
+            return await producer.insert_async(conn, self.q, row)
         pool = await self._async_pool()
         return await pool.run(lambda conn: producer.insert_async(conn, self.q, row))
 
@@ -590,7 +593,7 @@ class App:
         self,
         jobs: Iterable[JobSpec],
         *,
-        connection: psycopg.Connection[Any] | None = None,
+        connection: connections.SyncConnection | None = None,
         allow_unknown: bool = False,
     ) -> int:
         """Queue many jobs with one COPY and return how many were written as new (duplicates of
@@ -603,21 +606,22 @@ class App:
         if chunks is None:
             return 0
         if connection is not None:
-            return producer.copy_rows(connection, self.q, chunks)
+            return producer.copy_rows(connections.sync_connection(connection), self.q, chunks)
         return self._sync_pool().run(lambda conn: producer.copy_rows(conn, self.q, chunks))
 
     async def enqueue_many_async(
         self,
         jobs: Iterable[JobSpec],
         *,
-        connection: psycopg.AsyncConnection[Any] | None = None,
+        connection: connections.AsyncConnection | None = None,
         allow_unknown: bool = False,
     ) -> int:
         chunks = self._checked_chunks(jobs, allow_unknown)
         if chunks is None:
             return 0
         if connection is not None:
-            return await producer.copy_rows_async(connection, self.q, chunks)
+            conn = await connections.async_connection(connection)
+            return await producer.copy_rows_async(conn, self.q, chunks)
         pool = await self._async_pool()
         return await pool.run(lambda conn: producer.copy_rows_async(conn, self.q, chunks))
 
@@ -679,7 +683,7 @@ class App:
 
     def chain(
         self, *steps: workflows.Signature, after_failure: str = "cancel",
-        connection: psycopg.Connection[Any] | None = None,
+        connection: connections.SyncConnection | None = None,
     ) -> list[Enqueued]:  # fmt: skip
         """Enqueue ``steps`` (``task.s(...)``) so that each runs after the one before it
         succeeded; all written in one transaction. Returns their ids in order."""
@@ -688,8 +692,9 @@ class App:
         rows = [step.row(self, callback=i > 0) for i, step in enumerate(steps)]
         failure = workflows.check_after_failure(after_failure)
         if connection is not None:
-            with connection.transaction():
-                return workflows.chain(connection, self.q, rows, failure)
+            conn = connections.sync_connection(connection)
+            with conn.transaction():
+                return workflows.chain(conn, self.q, rows, failure)
 
         def write(conn: psycopg.Connection[Any]) -> list[Enqueued]:
             with conn.transaction():
@@ -699,7 +704,7 @@ class App:
 
     def group(
         self, members: Iterable[workflows.Signature], *, then: workflows.Signature | None = None,
-        after_failure: str = "cancel", connection: psycopg.Connection[Any] | None = None,
+        after_failure: str = "cancel", connection: connections.SyncConnection | None = None,
     ) -> workflows.Group:  # fmt: skip
         """Enqueue ``members`` (any number) and, with ``then``, a callback that runs once every
         member finished: it gets their results in order as its ``results`` argument. A member
@@ -715,7 +720,7 @@ class App:
                 return workflows.group(conn, self.q, rows, callback, failure)
 
         if connection is not None:
-            return write(connection)
+            return write(connections.sync_connection(connection))
         return self._sync_pool().run(write)
 
     # --- operators' bulk actions (pgqueue.operations) ---------------------------------------

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, get_origin, 
 
 import psycopg
 
-from . import producer, workflows
+from . import connections, producer, workflows
 from .backoff import Backoff
 from .context import JobContext
 from .errors import ConfigurationError, InvalidJobError
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 P = ParamSpec("P")
 R = TypeVar("R")
 
-Connection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+Connection = connections.SyncConnection | connections.AsyncConnection
 
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
@@ -165,7 +165,8 @@ class Task(Generic[P, R]):
         after: Iterable[int] | None = None,
         after_failure: str | None = None,
     ) -> ConfiguredTask[P]:
-        """Per-call options; ``connection`` enqueues inside the caller's own transaction;
+        """Per-call options; ``connection`` enqueues inside the caller's own transaction (a
+        psycopg connection, or a SQLAlchemy session or connection on the psycopg driver);
         ``unique_key`` (and the other ``unique`` options) make this call's job unique, or change
         the task's rule; ``meta`` is data of your own (trace ids, a tenant) that the handler
         reads as ``ctx.meta`` and ``get_job`` and the dashboard show. They are checked here, so
@@ -235,9 +236,7 @@ class ConfiguredTask(Generic[P]):
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
-        conn = o.connection
-        if conn is not None and not isinstance(conn, psycopg.Connection):
-            raise InvalidJobError("enqueue() needs a sync psycopg Connection; use enqueue_async")
+        conn = None if o.connection is None else connections.sync_connection(o.connection)
         return self.task.app.enqueue(
             self.task.name,
             self._kwargs(args, kwargs),
@@ -255,9 +254,7 @@ class ConfiguredTask(Generic[P]):
 
     async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
-        conn = o.connection
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            raise InvalidJobError("enqueue_async() needs a psycopg AsyncConnection; use enqueue")
+        conn = None if o.connection is None else await connections.async_connection(o.connection)
         return await self.task.app.enqueue_async(
             self.task.name,
             self._kwargs(args, kwargs),

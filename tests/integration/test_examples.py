@@ -12,7 +12,7 @@ from psycopg import conninfo
 import pgqueue
 from examples import quickstart
 from examples.shop import tasks
-from tests.helpers import running_worker, wait_until, wait_until_async
+from tests.helpers import running_worker, sqlalchemy_url, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -94,17 +94,12 @@ def test_psycopg_rollback_leaves_neither_order_nor_job(
 def test_sqlalchemy_order_and_receipt_commit_or_roll_back_together(
     dsn: str, conn: Conn, shop: pgqueue.App
 ) -> None:
-    from sqlalchemy import URL, create_engine
+    from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
     from examples.shop.orders_sqlalchemy import place_order
 
-    params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items() if v is not None}
-    url = URL.create(
-        "postgresql+psycopg", username=params.get("user"), host=params.get("host"),
-        port=int(params.get("port") or 5432), database=params.get("dbname"),
-    )  # fmt: skip
-    engine = create_engine(url)
+    engine = create_engine(sqlalchemy_url(dsn))
     try:
         with Session(engine) as session, session.begin():
             order_id = place_order(session, "ada", 4200)
@@ -116,6 +111,28 @@ def test_sqlalchemy_order_and_receipt_commit_or_roll_back_together(
         assert counts(conn) == (1, 1)
     finally:
         engine.dispose()
+
+
+async def test_sqlalchemy_async_order_and_receipt_commit_or_roll_back_together(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from examples.shop.orders_sqlalchemy import place_order_async
+
+    engine = create_async_engine(sqlalchemy_url(dsn))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            order_id = await place_order_async(session, "ada", 4200)
+        assert receipts(conn) == [(order_id, "emails")]
+
+        with pytest.raises(RuntimeError):
+            async with AsyncSession(engine) as session, session.begin():
+                await place_order_async(session, "grace", 100)
+                raise RuntimeError("out of stock")
+        assert counts(conn) == (1, 1)
+    finally:
+        await engine.dispose()
 
 
 async def test_fastapi_endpoints_enqueue(conn: Conn, shop: pgqueue.App) -> None:
