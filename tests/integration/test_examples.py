@@ -7,7 +7,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import conninfo
 
 import pgqueue
 from examples import quickstart
@@ -158,24 +157,11 @@ async def test_fastapi_endpoints_enqueue(conn: Conn, shop: pgqueue.App) -> None:
 def test_django_order_and_receipt_commit_or_roll_back_together(
     dsn: str, conn: Conn, shop: pgqueue.App
 ) -> None:
-    import django
-    from django.conf import settings
     from django.db import connections, transaction
 
-    params = conninfo.conninfo_to_dict(dsn)
-    database = {
-        "ENGINE": "django.db.backends.postgresql",
-        "NAME": params["dbname"],
-        "USER": params.get("user", ""),
-        "HOST": params.get("host", ""),
-        "PORT": params.get("port", ""),
-    }
-    if not settings.configured:
-        settings.configure(DATABASES={"default": database}, USE_TZ=True)
-        django.setup()
-    else:
-        connections.close_all()
-        settings.DATABASES["default"].update(database)
+    from tests import django_project
+
+    django_project.use_database(dsn)
     from examples.shop.django_orders import place_order
 
     try:
