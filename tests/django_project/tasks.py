@@ -10,6 +10,10 @@ from django.db import connection
 from pgqueue.contrib.django._tasks import task  # django.tasks.task, or the backport's
 
 
+class Refused(Exception):
+    """An error of the project's own: its full path is in a failed task's errors."""
+
+
 @task
 def add(a: int, b: int) -> int:
     return a + b

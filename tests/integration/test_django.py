@@ -265,3 +265,91 @@ def test_manage_py_migrate_creates_pgqueue_tables(
     finally:
         django_project.close_task_backends()
         connections.close_all()
+
+
+# --- options ------------------------------------------------------------------------------
+
+
+def test_with_max_attempts_a_failed_attempt_is_ready_again_with_its_error(
+    django_db: str, conn: Conn
+) -> None:
+    from django.test import override_settings
+
+    from pgqueue.contrib.django._tasks import TaskResultStatus
+    from tests.django_project.tasks import explode
+
+    tasks = {"default": {"BACKEND": "pgqueue.contrib.django.PgQueueBackend",
+                         "OPTIONS": {"MAX_ATTEMPTS": 3}}}  # fmt: skip
+    with override_settings(TASKS=tasks):
+        result = explode.enqueue("try again")
+        with worker_thread():
+            wait_until(
+                lambda: conn.execute("SELECT status FROM pgqueue_jobs").fetchone() == ("retrying",),
+                what="the first attempt failed",
+            )
+        result.refresh()
+        django_project.close_task_backends()
+    assert result.status == TaskResultStatus.READY and result.attempts == 1
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
+
+
+def test_app_option_runs_django_tasks_beside_the_apps_own(
+    django_db: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.test import override_settings
+
+    import pgqueue
+    from tests.django_project import jobs
+    from tests.django_project.tasks import add
+
+    monkeypatch.delenv("PGQUEUE_DSN", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    app = pgqueue.App()
+    monkeypatch.setattr(jobs, "app", app)
+
+    @app.task
+    def double(n: int) -> int:
+        return n * 2
+
+    tasks = {"default": {"BACKEND": "pgqueue.contrib.django.PgQueueBackend",
+                         "OPTIONS": {"APP": "tests.django_project.jobs:app"}}}  # fmt: skip
+    try:
+        with override_settings(TASKS=tasks):
+            assert backend().app is app and app.dsn == backend().dsn()
+            result = add.enqueue(1, 2)
+            job = double.enqueue(n=21)
+            with worker_thread():
+                assert app.wait(job, timeout=30) == 42
+                assert finished(result).return_value == 3
+    finally:
+        app.close()
+
+
+def test_unknown_options_are_refused(django_db: str) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from pgqueue.contrib.django import PgQueueBackend
+
+    with pytest.raises(ImproperlyConfigured, match="unknown OPTIONS"):
+        PgQueueBackend("x", {"OPTIONS": {"DSN": "..."}})
+    with pytest.raises(ImproperlyConfigured, match="MAX_ATTEMPTS"):
+        PgQueueBackend("x", {"OPTIONS": {"MAX_ATTEMPTS": 0}})
+
+
+def test_an_errors_class_path_is_read_from_the_stored_traceback(django_db: str) -> None:
+    from pgqueue.contrib.django.backend import _errors
+    from pgqueue.worker.executor import format_error
+    from tests.django_project.tasks import Refused
+
+    for exc, path in [
+        (Refused("no\nmore: of this"), "tests.django_project.tasks.Refused"),
+        (KeyError("k"), "builtins.KeyError"),
+        (psycopg.errors.UniqueViolation("dup"), "psycopg.errors.UniqueViolation"),
+    ]:
+        try:
+            raise exc
+        except Exception as raised:
+            text = format_error(raised)
+        [error] = _errors(text)
+        assert (error.exception_class_path, error.traceback) == (path, text)
+        assert error.exception_class is type(exc)
