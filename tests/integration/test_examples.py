@@ -173,3 +173,28 @@ def test_django_order_and_receipt_commit_or_roll_back_together(
         assert counts(conn) == (1, 1)
     finally:
         connections.close_all()
+
+
+def test_django_task_and_order_commit_or_roll_back_together(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    from django.db import connections, transaction
+
+    from tests import django_project
+
+    django_project.use_database(dsn)
+    from examples.shop.django_backend import place_order, send_receipt
+
+    try:
+        order_id, result_id = place_order("ada", 4200)
+        tasks = conn.execute("SELECT queue, args FROM pgqueue_jobs").fetchall()
+        path = "examples.shop.django_backend.send_receipt"
+        assert tasks == [("emails", {"path": path, "args": [], "kwargs": {"order_id": order_id}})]
+        assert send_receipt.get_result(result_id).status == "READY"
+        with pytest.raises(RuntimeError), transaction.atomic():
+            place_order("grace", 100)
+            raise RuntimeError("out of stock")
+        assert counts(conn) == (1, 1)
+    finally:
+        django_project.close_task_backends()
+        connections.close_all()
