@@ -6,6 +6,7 @@ and ``manage.py migrate`` creates pgqueue's tables."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -253,7 +254,9 @@ def test_manage_py_migrate_creates_pgqueue_tables(
     monkeypatch.setenv("PGQUEUE_DJANGO_DSN", empty_dsn)
     django_project.use_database(empty_dsn)
     try:
-        call_command("migrate", verbosity=0)
+        out = io.StringIO()
+        call_command("migrate", verbosity=1, stdout=out)
+        assert "Applied pgqueue migrations [1, 2," in out.getvalue()
         with psycopg.connect(empty_dsn) as conn:
             assert conn.execute("SELECT to_regclass('pgqueue_jobs')").fetchone() == (
                 "pgqueue_jobs",
@@ -325,7 +328,7 @@ def test_app_option_runs_django_tasks_beside_the_apps_own(
         app.close()
 
 
-def test_unknown_options_are_refused(django_db: str) -> None:
+def test_unknown_options_are_refused_and_the_system_check_passes(django_db: str) -> None:
     from django.core.exceptions import ImproperlyConfigured
 
     from pgqueue.contrib.django import PgQueueBackend
@@ -334,6 +337,7 @@ def test_unknown_options_are_refused(django_db: str) -> None:
         PgQueueBackend("x", {"OPTIONS": {"DSN": "..."}})
     with pytest.raises(ImproperlyConfigured, match="MAX_ATTEMPTS"):
         PgQueueBackend("x", {"OPTIONS": {"MAX_ATTEMPTS": 0}})
+    assert backend().check() == []  # Django's system checks: the database is PostgreSQL
 
 
 def test_an_errors_class_path_is_read_from_the_stored_traceback(django_db: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from django.apps import AppConfig
@@ -35,4 +36,5 @@ def migrate_pgqueue(using: str, verbosity: int = 1, **kwargs: Any) -> None:
         done.add(key)
         applied = backend.migrate()
         if verbosity >= 1 and applied:
-            print(f"  Applied pgqueue migrations {applied} (schema {backend.app.schema!r})")
+            out = kwargs.get("stdout") or sys.stdout  # migrate's own output, when it passes it
+            out.write(f"  Applied pgqueue migrations {applied} (schema {backend.app.schema!r})\n")

@@ -117,7 +117,10 @@ class PgQueueBackend(BaseTaskBackend):  # type: ignore[misc]
         libpq = {
             key: value
             for key, value in params.items()
-            if key not in _NOT_LIBPQ and isinstance(value, str | int) and value != ""
+            if key not in _NOT_LIBPQ
+            and isinstance(value, str | int)
+            and not isinstance(value, bool)
+            and value != ""
         }
         return conninfo.make_conninfo("", **libpq)
 
