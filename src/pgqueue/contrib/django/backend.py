@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import re
+import traceback
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -285,8 +286,6 @@ def _worker_ids(attempts: int, worker_id: object) -> list[str]:
 
 
 def _traceback(exc: BaseException) -> str:
-    import traceback
-
     return "".join(traceback.format_exception(exc))
 
 
