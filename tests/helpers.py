@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import conninfo, sql
 
 import pgqueue
 from pgqueue.db import channel_for
@@ -29,6 +29,19 @@ from pgqueue.sql import queries
 from pgqueue.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    """The test database as a SQLAlchemy URL on the psycopg (3) driver."""
+    from sqlalchemy import URL
+
+    params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items() if v is not None}
+    url = URL.create(
+        "postgresql+psycopg", username=params.get("user"), password=params.get("password"),
+        host=params.get("host"), port=int(params.get("port") or 5432),
+        database=params.get("dbname"),
+    )  # fmt: skip
+    return url.render_as_string(hide_password=False)
 
 
 def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:

@@ -18,8 +18,9 @@ from .tasks import send_receipt
 
 @asynccontextmanager
 async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-    yield
-    await queue.aclose()  # pgqueue's async connection pool for this event loop
+    # Checks pgqueue's configuration at startup; closes its connections at shutdown.
+    async with queue:
+        yield
 
 
 api = FastAPI(lifespan=lifespan)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from .tasks import send_receipt
@@ -24,7 +25,15 @@ def place_order(session: Session, customer: str, total_cents: int) -> int:
     order = Order(customer=customer, total_cents=total_cents)
     session.add(order)
     session.flush()  # INSERT now, inside the session's transaction, to learn the id
-    # The psycopg connection that carries this session's transaction:
-    conn = session.connection().connection.driver_connection
-    send_receipt.configure(connection=conn).enqueue(order_id=order.id)
+    # The job is written on the connection that carries this session's transaction.
+    send_receipt.configure(connection=session).enqueue(order_id=order.id)
+    return order.id
+
+
+async def place_order_async(session: AsyncSession, customer: str, total_cents: int) -> int:
+    """Call inside ``async with AsyncSession(engine) as session, session.begin():``."""
+    order = Order(customer=customer, total_cents=total_cents)
+    session.add(order)
+    await session.flush()
+    await send_receipt.configure(connection=session).enqueue_async(order_id=order.id)
     return order.id

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
 import psycopg
 
 from . import (
+    connections,
     db,
     hooks,
     limits,
@@ -366,6 +367,25 @@ class App:
         """``close()`` for async code (closing never waits on the network)."""
         self.close()
 
+    # An app used as a context manager is checked when the block starts (a missing or invalid
+    # DSN fails at startup, not at the first request) and its connections closed when it ends:
+    # ``async with App(...) as app`` fits an ASGI lifespan. No connection is made up front, so a
+    # database that is down does not stop the process from starting.
+
+    def __enter__(self) -> App:
+        self._sync_pool()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> App:
+        await self._async_pool()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled sync connection (autocommit), as a context manager. Getting one raises
@@ -447,7 +467,7 @@ class App:
         max_attempts: int | None = None,
         delay: float | timedelta | None = None,
         run_at: datetime | None = None,
-        connection: psycopg.Connection[Any] | None = None,
+        connection: connections.SyncConnection | None = None,
         allow_unknown: bool = False,
         unique: UniqueBy | None = None,
         unique_key: str | None = None,
@@ -458,8 +478,9 @@ class App:
         after: Iterable[int] | None = None,
         after_failure: str = "cancel",
     ) -> Enqueued:
-        """Queue one job and return its id. With ``connection``, the job exists only if that
-        connection's transaction commits. For a unique job (the task's ``unique``, or
+        """Queue one job and return its id. With ``connection`` (a psycopg connection, or a
+        SQLAlchemy session on the psycopg driver), the job exists only if that transaction
+        commits. For a unique job (the task's ``unique``, or
         ``unique_key``/``unique=`` here) the id may be an existing job's: ``.duplicate`` says so.
 
         Raises InvalidJobError (nothing written) for a bad job, and DatabaseUnavailableError
@@ -484,7 +505,7 @@ class App:
         )
         row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
-            return producer.insert(connection, self.q, row)
+            return producer.insert(connections.sync_connection(connection), self.q, row)
         return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
 
     @_published_async("enqueue")
@@ -498,7 +519,7 @@ class App:
         max_attempts: int | None = None,
         delay: float | timedelta | None = None,
         run_at: datetime | None = None,
-        connection: psycopg.AsyncConnection[Any] | None = None,
+        connection: connections.AsyncConnection | None = None,
         allow_unknown: bool = False,
         unique: UniqueBy | None = None,
         unique_key: str | None = None,
@@ -528,7 +549,8 @@ class App:
         )
         row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
-            return await producer.insert_async(connection, self.q, row)
+            conn = await connections.async_connection(connection)
+            return await producer.insert_async(conn, self.q, row)
         pool = await self._async_pool()
         return await pool.run(lambda conn: producer.insert_async(conn, self.q, row))
 
@@ -634,7 +656,7 @@ class App:
         self,
         jobs: Iterable[JobSpec],
         *,
-        connection: psycopg.Connection[Any] | None = None,
+        connection: connections.SyncConnection | None = None,
         allow_unknown: bool = False,
     ) -> int:
         """Queue many jobs with one COPY and return how many were written as new (duplicates of
@@ -647,7 +669,7 @@ class App:
         if chunks is None:
             return 0
         if connection is not None:
-            return producer.copy_rows(connection, self.q, chunks)
+            return producer.copy_rows(connections.sync_connection(connection), self.q, chunks)
         return self._sync_pool().run(lambda conn: producer.copy_rows(conn, self.q, chunks))
 
     @_published_async("enqueue_many")
@@ -655,14 +677,15 @@ class App:
         self,
         jobs: Iterable[JobSpec],
         *,
-        connection: psycopg.AsyncConnection[Any] | None = None,
+        connection: connections.AsyncConnection | None = None,
         allow_unknown: bool = False,
     ) -> int:
         chunks = self._checked_chunks(jobs, allow_unknown)
         if chunks is None:
             return 0
         if connection is not None:
-            return await producer.copy_rows_async(connection, self.q, chunks)
+            conn = await connections.async_connection(connection)
+            return await producer.copy_rows_async(conn, self.q, chunks)
         pool = await self._async_pool()
         return await pool.run(lambda conn: producer.copy_rows_async(conn, self.q, chunks))
 
@@ -725,7 +748,7 @@ class App:
     @_published("chain")
     def chain(
         self, *steps: workflows.Signature, after_failure: str = "cancel",
-        connection: psycopg.Connection[Any] | None = None,
+        connection: connections.SyncConnection | None = None,
     ) -> list[Enqueued]:  # fmt: skip
         """Enqueue ``steps`` (``task.s(...)``) so that each runs after the one before it
         succeeded; all written in one transaction. Returns their ids in order."""
@@ -734,8 +757,9 @@ class App:
         rows = [step.row(self, callback=i > 0) for i, step in enumerate(steps)]
         failure = workflows.check_after_failure(after_failure)
         if connection is not None:
-            with connection.transaction():
-                return workflows.chain(connection, self.q, rows, failure)
+            conn = connections.sync_connection(connection)
+            with conn.transaction():
+                return workflows.chain(conn, self.q, rows, failure)
 
         def write(conn: psycopg.Connection[Any]) -> list[Enqueued]:
             with conn.transaction():
@@ -746,7 +770,7 @@ class App:
     @_published("group")
     def group(
         self, members: Iterable[workflows.Signature], *, then: workflows.Signature | None = None,
-        after_failure: str = "cancel", connection: psycopg.Connection[Any] | None = None,
+        after_failure: str = "cancel", connection: connections.SyncConnection | None = None,
     ) -> workflows.Group:  # fmt: skip
         """Enqueue ``members`` (any number) and, with ``then``, a callback that runs once every
         member finished: it gets their results in order as its ``results`` argument. A member
@@ -762,7 +786,7 @@ class App:
                 return workflows.group(conn, self.q, rows, callback, failure)
 
         if connection is not None:
-            return write(connection)
+            return write(connections.sync_connection(connection))
         return self._sync_pool().run(write)
 
     # --- operators' bulk actions (pgqueue.operations) ---------------------------------------

@@ -22,7 +22,7 @@ from typing import (
 
 import psycopg
 
-from . import producer, workflows
+from . import connections, producer, workflows
 from .backoff import Backoff
 from .context import JobContext
 from .errors import ConfigurationError, InvalidJobError
@@ -37,7 +37,8 @@ P = ParamSpec("P")
 Q = ParamSpec("Q")
 R = TypeVar("R")
 
-Connection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+#: What ``configure(connection=)`` takes: a psycopg connection or a SQLAlchemy one on it.
+Connection = connections.SyncConnection | connections.AsyncConnection
 SyncConnection = psycopg.Connection[Any]
 AsyncConnection = psycopg.AsyncConnection[Any]
 
@@ -227,7 +228,8 @@ class Task(Generic[P, R]):
         after: Iterable[int] | None = None,
         after_failure: str | None = None,
     ) -> ConfiguredTask[P]:
-        """Per-call options; ``connection`` enqueues inside the caller's own transaction;
+        """Per-call options; ``connection`` enqueues inside the caller's own transaction (a
+        psycopg connection, or a SQLAlchemy session or connection on the psycopg driver);
         ``unique_key`` (and the other ``unique`` options) make this call's job unique, or change
         the task's rule; ``meta`` is data of your own (trace ids, a tenant) that the handler
         reads as ``ctx.meta`` and ``get_job`` and the dashboard show. They are checked here, so
@@ -416,9 +418,7 @@ class ConfiguredTask(Generic[P]):
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
-        conn = o.connection
-        if conn is not None and not isinstance(conn, psycopg.Connection):
-            raise InvalidJobError("enqueue() needs a sync psycopg Connection; use enqueue_async")
+        conn = None if o.connection is None else connections.sync_connection(o.connection)
         return self.task.app.enqueue(
             self.task.name,
             self._kwargs(args, kwargs),
@@ -474,9 +474,7 @@ class ConfiguredTask(Generic[P]):
 
     async def enqueue_async(self, *args: Any, **kwargs: Any) -> Enqueued:
         o = self.options
-        conn = o.connection
-        if conn is not None and not isinstance(conn, psycopg.AsyncConnection):
-            raise InvalidJobError("enqueue_async() needs a psycopg AsyncConnection; use enqueue")
+        conn = None if o.connection is None else await connections.async_connection(o.connection)
         return await self.task.app.enqueue_async(
             self.task.name,
             self._kwargs(args, kwargs),

@@ -7,12 +7,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import conninfo
 
 import pgqueue
 from examples import quickstart
 from examples.shop import tasks
-from tests.helpers import running_worker, wait_until_async
+from tests.helpers import running_worker, sqlalchemy_url, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -33,6 +32,16 @@ def receipts(conn: Conn) -> list[tuple[Any, ...]]:
         "SELECT o.id, j.queue FROM orders o"
         " JOIN pgqueue_jobs j ON j.task = 'send_receipt' AND (j.args->>'order_id')::bigint = o.id"
     ).fetchall()
+
+
+def sessions(conn: Conn) -> int:
+    """Other connections to the test's database than ``conn``."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def counts(conn: Conn) -> tuple[int, int]:
@@ -84,17 +93,12 @@ def test_psycopg_rollback_leaves_neither_order_nor_job(
 def test_sqlalchemy_order_and_receipt_commit_or_roll_back_together(
     dsn: str, conn: Conn, shop: pgqueue.App
 ) -> None:
-    from sqlalchemy import URL, create_engine
+    from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
     from examples.shop.orders_sqlalchemy import place_order
 
-    params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items() if v is not None}
-    url = URL.create(
-        "postgresql+psycopg", username=params.get("user"), host=params.get("host"),
-        port=int(params.get("port") or 5432), database=params.get("dbname"),
-    )  # fmt: skip
-    engine = create_engine(url)
+    engine = create_engine(sqlalchemy_url(dsn))
     try:
         with Session(engine) as session, session.begin():
             order_id = place_order(session, "ada", 4200)
@@ -108,47 +112,56 @@ def test_sqlalchemy_order_and_receipt_commit_or_roll_back_together(
         engine.dispose()
 
 
+async def test_sqlalchemy_async_order_and_receipt_commit_or_roll_back_together(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from examples.shop.orders_sqlalchemy import place_order_async
+
+    engine = create_async_engine(sqlalchemy_url(dsn))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            order_id = await place_order_async(session, "ada", 4200)
+        assert receipts(conn) == [(order_id, "emails")]
+
+        with pytest.raises(RuntimeError):
+            async with AsyncSession(engine) as session, session.begin():
+                await place_order_async(session, "grace", 100)
+                raise RuntimeError("out of stock")
+        assert counts(conn) == (1, 1)
+    finally:
+        await engine.dispose()
+
+
 async def test_fastapi_endpoints_enqueue(conn: Conn, shop: pgqueue.App) -> None:
     import httpx2
 
     from examples.shop.fastapi_app import api
 
-    transport = httpx2.ASGITransport(app=api)
-    try:
+    transport = httpx2.ASGITransport(app=api)  # it does not run the lifespan: entered here
+    async with api.router.lifespan_context(api):
         async with httpx2.AsyncClient(transport=transport, base_url="http://test") as client:
             created = await client.post("/orders", json={"customer": "ada", "total_cents": 4200})
             assert created.status_code == 201
             order_id = created.json()["order_id"]
             resent = await client.post(f"/orders/{order_id}/resend-receipt")
             assert resent.status_code == 202
-        assert receipts(conn) == [(order_id, "emails"), (order_id, "emails")]
-        job = shop.get_job(resent.json()["job_id"])
-        assert job is not None and job.args == {"order_id": order_id}
-    finally:
-        await shop.aclose()
+        assert sessions(conn) == 1  # pgqueue's pool for this loop, open while the app runs
+    wait_until(lambda: sessions(conn) == 0, what="the lifespan closed pgqueue's connections")
+    assert receipts(conn) == [(order_id, "emails"), (order_id, "emails")]
+    job = shop.get_job(resent.json()["job_id"])
+    assert job is not None and job.args == {"order_id": order_id}
 
 
 def test_django_order_and_receipt_commit_or_roll_back_together(
     dsn: str, conn: Conn, shop: pgqueue.App
 ) -> None:
-    import django
-    from django.conf import settings
     from django.db import connections, transaction
 
-    params = conninfo.conninfo_to_dict(dsn)
-    database = {
-        "ENGINE": "django.db.backends.postgresql",
-        "NAME": params["dbname"],
-        "USER": params.get("user", ""),
-        "HOST": params.get("host", ""),
-        "PORT": params.get("port", ""),
-    }
-    if not settings.configured:
-        settings.configure(DATABASES={"default": database}, USE_TZ=True)
-        django.setup()
-    else:
-        connections.close_all()
-        settings.DATABASES["default"].update(database)
+    from tests import django_project
+
+    django_project.use_database(dsn)
     from examples.shop.django_orders import place_order
 
     try:
@@ -159,4 +172,29 @@ def test_django_order_and_receipt_commit_or_roll_back_together(
             raise RuntimeError("out of stock")
         assert counts(conn) == (1, 1)
     finally:
+        connections.close_all()
+
+
+def test_django_task_and_order_commit_or_roll_back_together(
+    dsn: str, conn: Conn, shop: pgqueue.App
+) -> None:
+    from django.db import connections, transaction
+
+    from tests import django_project
+
+    django_project.use_database(dsn)
+    from examples.shop.django_backend import place_order, send_receipt
+
+    try:
+        order_id, result_id = place_order("ada", 4200)
+        tasks = conn.execute("SELECT queue, args FROM pgqueue_jobs").fetchall()
+        path = "examples.shop.django_backend.send_receipt"
+        assert tasks == [("emails", {"path": path, "args": [], "kwargs": {"order_id": order_id}})]
+        assert send_receipt.get_result(result_id).status == "READY"
+        with pytest.raises(RuntimeError), transaction.atomic():
+            place_order("grace", 100)
+            raise RuntimeError("out of stock")
+        assert counts(conn) == (1, 1)
+    finally:
+        django_project.close_task_backends()
         connections.close_all()

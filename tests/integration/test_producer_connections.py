@@ -128,6 +128,35 @@ def test_close_closes_sync_and_every_loops_connections_and_the_app_stays_usable(
     assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (4,)
 
 
+async def test_async_with_app_closes_its_connections_when_the_block_ends(
+    dsn: str, conn: Conn
+) -> None:
+    async with pgqueue.App(dsn) as app:
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        assert connections(conn) == 1
+    wait_until(lambda: connections(conn) == 0, what="the lifespan's connections closed")
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (1,)
+
+
+def test_with_app_closes_its_connections_when_the_block_ends(dsn: str, conn: Conn) -> None:
+    with pgqueue.App(dsn) as app:
+        app.enqueue("t", {}, allow_unknown=True)
+        assert connections(conn) == 1
+    wait_until(lambda: connections(conn) == 0, what="the block's connections closed")
+
+
+async def test_entering_an_app_without_a_dsn_fails_at_startup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PGQUEUE_DSN", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with pytest.raises(pgqueue.ConfigurationError, match="no database configured"):
+        async with pgqueue.App():
+            pass
+    with pytest.raises(pgqueue.ConfigurationError, match="no database configured"), pgqueue.App():
+        pass
+
+
 def test_producer_connections_are_named_unless_the_dsn_names_them(dsn: str, conn: Conn) -> None:
     app = pgqueue.App(conninfo.make_conninfo(dsn, application_name="shop-web"))
     try:

@@ -326,7 +326,7 @@ def test_job_context_parameter_is_not_an_argument_to_pass() -> None:
 
 def test_configured_connection_of_the_wrong_kind_is_refused(app: pgqueue.App) -> None:
     send = app.tasks["send"]
-    with pytest.raises(InvalidJobError, match="needs a sync psycopg Connection"):
+    with pytest.raises(InvalidJobError, match="connection must be a psycopg Connection"):
         send.configure(connection=object()).enqueue(to="a")  # type: ignore[arg-type]
 
 
