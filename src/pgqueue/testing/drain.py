@@ -130,13 +130,19 @@ async def run_until_idle_async(
             while time.monotonic() <= deadline:
                 if running.done():
                     running.result()  # the worker stopped on its own: its error
+                # Pending first, then the retries made due, then the worker's hands: an ack
+                # that commits a retry between any two of these is caught by the next one (a
+                # retry skipped after the look at pending jobs keeps the drain going).
+                pending = await _pending(conn, statements["pending_jobs"], served)
+                skipped = False
                 if retries:
                     cur = await conn.execute(statements["skip_retry_delays"], {"queues": served})
                     if await cur.fetchall():
+                        skipped = True
                         worker.fetcher.notify()
-                pending = await _pending(conn, statements["pending_jobs"], served)
                 state = worker.state
-                if not pending[1] and worker.started.is_set() and state and not state.held:
+                idle = not pending[1] and not skipped
+                if idle and worker.started.is_set() and state and not state.held:
                     return await _finish(app, worker, running, recorded)
                 await asyncio.sleep(CHECK_INTERVAL)
             pending = await _pending(conn, statements["pending_jobs"], served)
