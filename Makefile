@@ -12,7 +12,7 @@ BENCH_ARGS ?=
 
 include dashboard.mk
 
-.PHONY: test demo docs docs-serve lint typecheck check venv clean chaos bench bench-quick
+.PHONY: test test-django6 demo docs docs-serve lint typecheck check venv clean chaos bench bench-quick
 
 $(VENV)/bin/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,23 @@ docs-serve: $(STAMP)
 
 test: check docs assets
 	$(BIN)/pytest -n 2 $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-django6
+
+# Django's tasks framework is in Django 6, which needs Python 3.12; the dev venv may run an older
+# Python (and then tests the backend on Django 5.2 with the django-tasks backport), so the
+# backend's tests also run on real Django 6 in a venv of their own when python3.12 exists.
+DJANGO6_PYTHON ?= $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.1[23]*/bin/python3; do \
+  $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+DJANGO6_VENV := .venv-django6
+test-django6:
+	@if [ -z "$(DJANGO6_PYTHON)" ]; then \
+	  echo "test-django6: no Python 3.12+ here, so Django 6 itself is not tested (the backport is)"; \
+	else \
+	  [ -x $(DJANGO6_VENV)/bin/pip ] || $(DJANGO6_PYTHON) -m venv $(DJANGO6_VENV); \
+	  $(DJANGO6_VENV)/bin/pip install --quiet -e . 'django>=6.0' pytest pytest-asyncio pytest-timeout pytest-xdist; \
+	  $(DJANGO6_VENV)/bin/python -c "import django; print('Django', django.__version__)"; \
+	  $(DJANGO6_VENV)/bin/pytest -q tests/integration/test_django.py $(PYTEST_ARGS); \
+	fi
 
 # The fault-injection suite at full size (every scenario also runs small inside `make test`).
 # Prints the results table; CHAOS_ARGS takes e.g. --seed N --scenario sigkill --rate 500.
@@ -68,4 +85,4 @@ bench-quick: $(STAMP)
 	$(BIN)/pgqueue bench --peers --peers-venv .venv-peers --quick $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) $(DJANGO6_VENV) .pytest_cache .mypy_cache .ruff_cache site
