@@ -87,6 +87,23 @@ def test_pages_carry_a_strict_csp_and_hardening_headers(client: TestClient) -> N
     assert "access-control-allow-origin" not in response.headers
 
 
+def test_every_response_but_static_files_is_no_store(dsn: str) -> None:
+    """Metrics, errors (404, 405, 503) and the rest: a cache must never serve old figures."""
+    with TestClient(create_app(dsn, refresh_interval=0.2), base_url="http://127.0.0.1") as client:
+        snapshot(client)
+        for route in ("/", "/api/snapshot", "/metrics", "/health", "/api/jobs/999999",
+                      "/api/jobs/nope", "/nope"):  # fmt: skip
+            assert client.get(route).headers.get("cache-control") == "no-store", route
+        assert client.post("/metrics").headers.get("cache-control") == "no-store"
+        assert "no-store" not in client.get("/static/dashboard.js").headers.get("cache-control", "")
+    # The job API while the database cannot be read.
+    app = create_app(conninfo.make_conninfo(dsn, port="1"), refresh_interval=0.2)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        response = client.get("/api/jobs/1")
+        assert response.status_code == 503
+        assert response.headers.get("cache-control") == "no-store"
+
+
 def test_snapshot_api_reports_known_figures(
     client: TestClient, conn: psycopg.Connection[Any]
 ) -> None:
@@ -166,16 +183,69 @@ async def test_dashboard_sessions_are_read_only_and_time_limited(dsn: str) -> No
     database = Database(dsn, statement_timeout_ms=300)
     try:
         async with database.session() as session:
-            cur = await session.execute("SHOW default_transaction_read_only")
+            cur = await session.execute("SHOW transaction_read_only")
             assert await cur.fetchone() == ("on",)
             cur = await session.execute("SHOW statement_timeout")
             assert await cur.fetchone() == ("300ms",)
-            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            async with database.session() as session:
                 await session.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
-            with pytest.raises(psycopg.errors.QueryCanceled):
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            async with database.session() as session:
                 await session.execute("SELECT pg_sleep(5)")
     finally:
         await database.close()
+
+
+async def test_nothing_run_on_the_dashboards_session_can_write(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """What a READ ONLY transaction still allows (NOTIFY, lo_create, SET SESSION
+    CHARACTERISTICS, which as a superuser turned a session's read-only default back off) is
+    rolled back with it, and the next transaction is READ ONLY again whatever the session's
+    defaults say. The test user is a superuser, as a careless deployment's would be."""
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute("LISTEN dashboard_probe")
+    objects = "SELECT count(*) FROM pg_largeobject_metadata"
+    large_objects = conn.execute(objects).fetchone()
+    database = Database(dsn)
+    try:
+        async with database.session() as session:
+            await session.execute("NOTIFY dashboard_probe, 'from the dashboard'")
+            await session.execute("SELECT lo_create(0)")
+        async with database.session() as session:
+            await session.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE")
+        async with database.session() as session:
+            await session.execute("SET default_transaction_read_only = off")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            async with database.session() as session:
+                await session.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
+        with pytest.raises(psycopg.errors.ActiveSqlTransaction):
+            async with database.session() as session:
+                await session.execute("VACUUM pgqueue_jobs")
+        with pytest.raises(psycopg.errors.ActiveSqlTransaction):
+            async with database.session() as session:  # too late: the snapshot is taken
+                await session.execute("SET TRANSACTION READ WRITE")
+    finally:
+        await database.close()
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+    assert conn.execute(objects).fetchone() == large_objects
+    listener.execute("SELECT 1")  # a round trip delivers any pending notification
+    assert list(listener.notifies(timeout=0.2, stop_after=1)) == []
+    listener.close()
+
+
+def test_a_superuser_dashboard_warns_on_the_page_and_in_its_log(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="pgqueue.dashboard"):
+        assert snapshot(client)["writable"] == ["*"]  # the test user is a superuser
+    assert any(
+        "is a superuser" in r.getMessage() and "SELECT only" in r.getMessage()
+        for r in caplog.records
+    )
+    page = client.get("/").text
+    assert 'id="writable"' in page and "A role with SELECT only" in page
 
 
 def test_head_is_served_wherever_get_is(client: TestClient) -> None:
@@ -186,7 +256,7 @@ def test_head_is_served_wherever_get_is(client: TestClient) -> None:
 
 
 def test_the_dashboard_works_as_the_documented_select_only_role(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """docs/dashboard.md's role SQL, run as written (with a unique role name)."""
     role = f"pgqueue_dashboard_{uuid.uuid4().hex[:8]}"
@@ -202,8 +272,13 @@ def test_the_dashboard_works_as_the_documented_select_only_role(
         plant(conn)
         role_dsn = conninfo.make_conninfo(dsn, user=role, password="change-me")
         app = create_app(role_dsn, refresh_interval=0.2)
-        with TestClient(app, base_url="http://127.0.0.1") as client:
+        with (
+            caplog.at_level("WARNING", logger="pgqueue.dashboard"),
+            TestClient(app, base_url="http://127.0.0.1") as client,
+        ):
             snap = snapshot(client)
+            assert snap["writable"] == []  # no warning: this role cannot write
+            assert not [r for r in caplog.records if "SELECT only" in r.getMessage()]
             assert snap["tiles"]["waiting"] == 7 and len(snap["schedules"]) == 2
             assert len(snap["problems"]) == 2 and len(snap["workers"]) == 2
             dead = next(p for p in snap["problems"] if p["status"] == "dead")

@@ -318,6 +318,14 @@
     }
   }
 
+  // The role can write (a superuser, or INSERT/UPDATE/DELETE grants): say so, once per page.
+  function renderWritable(tables) {
+    $("writable").hidden = tables.length === 0;
+    setText("writable-text", tables.length === 0 ? "" : tables[0] === "*"
+      ? "It is a superuser."
+      : "It may change " + tables.join(", ") + ".");
+  }
+
   function render(snap) {
     if (snap.status !== "ok") {
       setConn("reconnecting", "reconnecting to the database…", snap.error);
@@ -329,6 +337,7 @@
     state.receivedAt = performance.now();
     document.body.dataset.refresh = String(snap.refresh);
     state.paused = new Set(snap.paused_queues || []);
+    renderWritable(snap.writable || []);
     renderTiles(snap.tiles);
     renderThroughput(snap.throughput);
     renderDepth(snap.depth);
