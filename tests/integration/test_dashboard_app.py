@@ -119,6 +119,17 @@ def test_snapshot_api_reports_known_figures(
     assert len(snap["throughput"]["t"]) == 120 and "emails" in snap["depth"]["queues"]
 
 
+def test_depth_with_no_worker_is_the_count_now_and_unknown_before(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    """No worker ever sampled: the seconds before the dashboard looked were served as 0."""
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task) SELECT 'emails', 't' FROM generate_series(1, 5)"
+    )
+    waiting = snapshot_read_after_now(client)["depth"]["queues"]["emails"]
+    assert waiting[-1] == 5 and waiting[0] is None  # (0 while it watched before the insert)
+
+
 def test_job_api_returns_the_full_error_or_404(
     client: TestClient, conn: psycopg.Connection[Any]
 ) -> None:

@@ -132,9 +132,18 @@ class Refresher:
 
     def _build(self, r: queries.Reading) -> dict[str, Any]:
         waiting_now = {q: c["queued"] + c["retrying"] for q, c in r.depth.items()}
-        if not self._observed or self._observed[-1][0] != r.second:
-            self._observed.append((r.second, waiting_now))
-        depth = figures.depth_series(r.depth_samples, dict(self._observed), r.second)
+        # The latest read of a second stands for it: the chart's right edge is the depth now.
+        if self._observed and self._observed[-1][0] == r.second:
+            self._observed.pop()
+        self._observed.append((r.second, waiting_now))
+        # Seconds some registered worker was running (and so sampling the depth every second).
+        sampling = [
+            (r.now - w["uptime"], r.now if not w["late"] else r.now - w["heartbeat_age"])
+            for w in r.workers
+        ]
+        depth = figures.depth_series(
+            r.depth_samples, dict(self._observed), r.second, sampling=sampling
+        )
         if r.inserts_total is not None:
             if self._inserts is not None and r.now > self._inserts[0]:
                 delta = max(r.inserts_total - self._inserts[1], 0)
