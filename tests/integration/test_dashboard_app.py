@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from pgqueue import __version__
 from pgqueue.dashboard.app import create_app
 from pgqueue.dashboard.cli import dashboard_command
-from pgqueue.dashboard.database import Database
+from pgqueue.dashboard.database import Database, writable_tables
 from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.migrate import migrate
 from tests.dashboard_data import plant, planted_retries_in_the_minute_to
@@ -257,6 +257,29 @@ def test_a_superuser_dashboard_warns_on_the_page_and_in_its_log(
     )
     page = client.get("/").text
     assert 'id="writable"' in page and "A role with SELECT only" in page
+
+
+async def test_a_role_granted_a_write_on_one_table_is_reported_with_that_table(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    name = f"pgqueue_writer_{uuid.uuid4().hex[:8]}"
+    role = sql.Identifier(name)
+    try:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(role))
+    except psycopg.errors.InsufficientPrivilege:
+        pytest.skip("this test server does not let the test user create roles")
+    try:
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(role))
+        conn.execute(sql.SQL("GRANT SELECT, DELETE ON pgqueue_jobs TO {}").format(role))
+        database = Database(conninfo.make_conninfo(dsn, user=name))
+        try:
+            async with database.session() as session:
+                assert await writable_tables(session, "public") == ["pgqueue_jobs"]
+        finally:
+            await database.close()
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        conn.execute(sql.SQL("DROP ROLE {}").format(role))
 
 
 def test_head_is_served_wherever_get_is(client: TestClient) -> None:
