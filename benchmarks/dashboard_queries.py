@@ -26,7 +26,7 @@ from psycopg import conninfo, sql
 
 from pgqueue import stats
 from pgqueue.dashboard import queries
-from pgqueue.dashboard.database import session_options
+from pgqueue.dashboard.database import TRANSACTION_SETTINGS, Database, session_options
 from pgqueue.migrate import migrate
 from pgqueue.sql import named
 
@@ -96,7 +96,9 @@ def params_for(name: str, job_id: int) -> dict[str, Any] | None:
 def explain_ms(conn: psycopg.Connection[Any], statement: bytes, params: Any) -> float:
     if params == {"after": "now"}:
         params = {"after": conn.execute("SELECT now() - interval '3 s'").fetchone()[0]}  # type: ignore[index]
-    row = conn.execute(b"EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()
+    with conn.transaction():
+        conn.execute(TRANSACTION_SETTINGS, {"timeout": "5000"})
+        row = conn.execute(b"EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()
     assert row is not None
     plan = row[0][0] if isinstance(row[0], list) else json.loads(row[0])[0]
     return float(plan["Planning Time"]) + float(plan["Execution Time"])
@@ -140,9 +142,10 @@ def run(dsn: str, refreshes: int) -> None:
         statements = queries.statements("public")
         per_statement: dict[str, list[float]] = {name: [] for name in statements}
         with_workers, without_workers = [], []
-        # Measured on a session set up exactly like the dashboard's (read-only, no parallel
+        # Measured in transactions set up exactly like the dashboard's (read-only, no parallel
         # workers, no JIT).
-        with psycopg.connect(dsn, **session_options(dsn, 5000)) as dashboard:
+        with psycopg.connect(dsn, **session_options()) as dashboard:
+            dashboard.read_only = True
             for _ in range(refreshes):
                 # What a running worker does once a second.
                 conn.execute(sample_depth, {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND})
@@ -170,12 +173,15 @@ def run(dsn: str, refreshes: int) -> None:
 
 async def wall_clock(dsn: str, refreshes: int) -> list[float]:
     times = []
-    options = session_options(dsn, 5000)
-    async with await psycopg.AsyncConnection.connect(dsn, **options) as conn:
+    database = Database(dsn)
+    try:
         for _ in range(refreshes):
             started = time.perf_counter()
-            await queries.read(conn, "public")
+            async with database.session() as conn:
+                await queries.read(conn, "public")
             times.append((time.perf_counter() - started) * 1000)
+    finally:
+        await database.close()
     return times
 
 

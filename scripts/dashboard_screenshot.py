@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,9 @@ from pathlib import Path
 
 import psycopg
 import uvicorn
-from playwright.async_api import async_playwright
+from playwright.async_api import Error as PlaywrightError
+from playwright.async_api import Page, async_playwright, expect
+from psycopg import conninfo, sql
 
 from pgqueue.dashboard.app import create_app
 from pgqueue.demo import tasks
@@ -88,7 +91,9 @@ async def main(
 ) -> None:
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(dsn), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(
+            create_app(select_only_dsn(dsn)), host="127.0.0.1", port=port, log_level="warning"
+        )
     )
     serving = asyncio.create_task(server.serve())
     stop = asyncio.Event()
@@ -113,6 +118,26 @@ async def main(
         await tasks.app.aclose()
 
 
+def select_only_dsn(dsn: str) -> str:
+    """The dashboard as docs/dashboard.md recommends: a role with SELECT only (else the page
+    rightly warns that its role can write). Falls back to ``dsn`` where roles cannot be made."""
+    role = "pgqueue_dashboard_screenshot"
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in (
+                "DROP ROLE IF EXISTS {role}",
+                "CREATE ROLE {role} LOGIN",
+                "GRANT USAGE ON SCHEMA public TO {role}",
+                "GRANT SELECT ON pgqueue_jobs, pgqueue_workers, pgqueue_schedules, pgqueue_stats,"
+                " pgqueue_depth, pgqueue_queues, pgqueue_job_deps TO {role}",
+            ):
+                conn.execute(sql.SQL(statement).format(role=sql.Identifier(role)))
+    except psycopg.Error as exc:
+        print(f"dashboard as the given role ({exc.diag.message_primary or exc})")
+        return dsn
+    return conninfo.make_conninfo(dsn, user=role)
+
+
 async def freeze_while_busy(dsn: str, proc: subprocess.Popen[bytes]) -> None:
     """SIGSTOP the worker once it holds a lease (waiting at most 20 s), so the picture shows
     leases running down under a late heartbeat."""
@@ -132,26 +157,52 @@ async def freeze_while_busy(dsn: str, proc: subprocess.Popen[bytes]) -> None:
 
 
 async def screenshot(url: str, out: Path, width: int, height: int, full_page: bool) -> None:
+    """Every wait is on something the page shows, with a deadline: never a fixed sleep."""
     async with async_playwright() as p:
         browser = await p.chromium.launch(
             executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"]
         )
         page = await browser.new_page(viewport={"width": width, "height": height})
+        page.set_default_timeout(60_000)  # a loaded machine: four workers and producers run
+        expect.set_options(timeout=60_000)
         await page.goto(url)
-        await page.locator("#conn[data-state='live']").wait_for(timeout=20_000)
-        await page.wait_for_timeout(1500)  # a couple of pushes: the feed and charts settle
-        # An open error shows that a job's whole traceback is readable: a dead job's if one
-        # failed with a traceback, else the first problem's.
-        rows = page.locator("#problems tr:has(.pill.dead)", has_text="TimeoutError")
-        row = rows.first if await rows.count() else page.locator("#problems tr").first
-        summary = row.locator("details summary")
-        if await summary.count():
-            await summary.click()
-            await page.locator("#problems details[open] pre").first.wait_for()
-            await row.scroll_into_view_if_needed()
+        await page.locator("#conn[data-state='live']").wait_for()
+        first = int(await page.locator("body").get_attribute("data-refresh") or 0)
+        # Two more pushes after the first: the feed's "new" flashes are over and the charts
+        # have their data.
+        for selector in ("#chart-throughput canvas", "#chart-depth canvas", "#workers li.late",
+                         "#feed li:not(.empty)", "#problems tr[data-job]"):  # fmt: skip
+            await page.locator(selector).first.wait_for()
+        await page.locator(
+            f"body:not([data-refresh='{first}']):not([data-refresh='{first + 1}'])"
+        ).wait_for()
+        await open_a_clean_error(page)
         await page.evaluate("window.scrollTo(0, 0)")
         await page.screenshot(path=str(out), full_page=full_page)
         await browser.close()
+
+
+async def open_a_clean_error(page: Page) -> None:
+    """Open one problem's whole error, to show it is readable: the first that names no file
+    of this machine (a traceback would show a developer's paths), else none."""
+    # Rows are rebuilt at every push and new problems come first: each job by its id.
+    jobs = await page.locator("#problems tr[data-job]").evaluate_all(
+        "(rows) => rows.map((row) => row.dataset.job)"
+    )
+    for job in jobs:
+        row = page.locator(f"#problems tr[data-job='{job}']")
+        pre = row.locator("details[open] pre")
+        try:  # a row can leave the list meanwhile (newer problems push it out): the next one
+            await row.locator("details summary").click(timeout=10_000)
+            await pre.wait_for(timeout=10_000)
+            await expect(pre).not_to_have_text(re.compile(r"^$|^loading…$"), timeout=10_000)
+            if 'File "' not in await pre.inner_text(timeout=10_000):
+                await pre.scroll_into_view_if_needed(timeout=10_000)
+                return
+            await row.locator("details summary").click(timeout=10_000)
+            await row.locator("details:not([open])").wait_for(timeout=10_000)
+        except PlaywrightError:
+            continue
 
 
 def cli() -> None:

@@ -7,118 +7,25 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
-import uvicorn
 from psycopg import conninfo, sql
-from starlette.applications import Starlette
 
 from pgqueue import __version__
-from pgqueue.dashboard.app import create_app
-from pgqueue.dashboard.refresh import Refresher
+from tests.browser.conftest import CHROMIUM, Served, _open, _refresh
 from tests.conftest import Server
 from tests.dashboard_data import XSS, plant
 from tests.helpers import wait_until
-
-CHROMIUM = os.environ.get("PGQUEUE_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(
         f"chromium not found at {CHROMIUM}: apt-get install -y chromium", allow_module_level=True
     )
 
-from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright  # noqa: E402
-
-# Assertions retry until this deadline (Playwright's default is 5 s): Chromium, the dashboard
-# and PostgreSQL share a loaded 2-core machine with the rest of the suite.
-expect.set_options(timeout=30_000)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield chromium
-        chromium.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Served:
-    url: str
-    app: Starlette
-
-    @property
-    def refresher(self) -> Refresher:
-        refresher: Refresher = self.app.state.refresher
-        return refresher
-
-
-@pytest.fixture
-def served(dsn: str) -> Iterator[Served]:
-    port = _free_port()
-    app = create_app(dsn, refresh_interval=0.3)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=1, lifespan="on")  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "dashboard did not start"
-        time.sleep(0.02)
-    yield Served(f"http://127.0.0.1:{port}", app)
-    server.should_exit = True
-    thread.join(10)
-
-
-@pytest.fixture
-def base_url(served: Served) -> str:
-    return served.url
-
-
-@pytest.fixture
-def page(browser: Browser, base_url: str) -> Iterator[Page]:
-    """A tab that closes before the server stops (an open event stream would hold it up)."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    tab.on("pageerror", lambda e: errors.append(str(e)))
-
-    def on_dialog(dialog: Dialog) -> None:
-        errors.append("dialog: " + dialog.message)
-        dialog.dismiss()
-
-    tab.on("dialog", on_dialog)
-    yield tab
-    found = list(errors)
-    context.close()
-    assert found == [], found  # no CSP violations, script errors or alert() calls
-
-
-def _refresh(page: Page) -> int:
-    return int(page.locator("body").get_attribute("data-refresh") or 0)
-
-
-def _open(page: Page, url: str) -> None:
-    page.goto(url)
-    # Polled from Python: Playwright's wait_for_function would eval() under the page's CSP.
-    wait_until(lambda: _refresh(page) > 0)
+from playwright.sync_api import Browser, Page, expect
 
 
 def test_empty_database_shows_every_empty_state(page: Page, base_url: str) -> None:
@@ -141,6 +48,21 @@ def test_empty_database_shows_every_empty_state(page: Page, base_url: str) -> No
     expect(how.locator("figcaption")).to_have_text(
         "Solid arrows are SQL statements, dashed arrows are LISTEN/NOTIFY wake-ups."
     )
+    # The test user is a superuser: the page says the role can write.
+    expect(page.locator("#writable")).to_be_visible()
+    expect(page.locator("#writable-text")).to_have_text("It is a superuser.")
+
+
+def test_how_it_works_says_the_trigger_notifies_only_while_a_worker_waits(
+    page: Page, base_url: str
+) -> None:
+    """It said "on every insert"; since migration 0004 the trigger notifies only while some
+    worker waits for work (docs/concepts/wakeups.md)."""
+    _open(page, base_url)
+    section = page.locator("#p-how section", has_text="LISTEN / NOTIFY")
+    expect(section).to_contain_text("While some worker waits for work")
+    expect(section).not_to_contain_text("every insert")
+    expect(page.locator("#dg-desc")).not_to_contain_text("every insert")
 
 
 def test_panels_render_data_and_change_without_reload(
@@ -157,7 +79,7 @@ def test_panels_render_data_and_change_without_reload(
     expect(page.locator("#workers li.late .pill.late")).to_have_text("late")
     expect(page.locator("#workers li:not(.late) .pill")).to_have_count(0)
     expect(page.locator("#running tr")).to_have_count(2)
-    expect(page.locator("#problems tr")).to_have_count(2)
+    expect(page.locator("#problems tr[data-job]")).to_have_count(2)
     expect(page.locator("#schedules tr")).to_have_count(2)
     expect(page.locator("#schedules")).to_contain_text("*/15 * * * *")
     expect(page.locator("#feed li.empty")).to_have_count(0)

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from pgqueue import __version__
 from pgqueue.dashboard.app import create_app
 from pgqueue.dashboard.cli import dashboard_command
-from pgqueue.dashboard.database import Database
+from pgqueue.dashboard.database import Database, writable_tables
 from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.migrate import migrate
 from tests.dashboard_data import plant, planted_retries_in_the_minute_to
@@ -89,6 +89,23 @@ def test_pages_carry_a_strict_csp_and_hardening_headers(client: TestClient) -> N
     assert "access-control-allow-origin" not in response.headers
 
 
+def test_every_response_but_static_files_is_no_store(dsn: str) -> None:
+    """Metrics, errors (404, 405, 503) and the rest: a cache must never serve old figures."""
+    with TestClient(create_app(dsn, refresh_interval=0.2), base_url="http://127.0.0.1") as client:
+        snapshot(client)
+        for route in ("/", "/api/snapshot", "/metrics", "/health", "/api/jobs/999999",
+                      "/api/jobs/nope", "/nope"):  # fmt: skip
+            assert client.get(route).headers.get("cache-control") == "no-store", route
+        assert client.post("/metrics").headers.get("cache-control") == "no-store"
+        assert "no-store" not in client.get("/static/dashboard.js").headers.get("cache-control", "")
+    # The job API while the database cannot be read.
+    app = create_app(conninfo.make_conninfo(dsn, port="1"), refresh_interval=0.2)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        response = client.get("/api/jobs/1")
+        assert response.status_code == 503
+        assert response.headers.get("cache-control") == "no-store"
+
+
 def test_snapshot_api_reports_known_figures(
     client: TestClient, conn: psycopg.Connection[Any]
 ) -> None:
@@ -102,6 +119,17 @@ def test_snapshot_api_reports_known_figures(
     assert snap["workers_alive"] == 1 and len(snap["workers"]) == 2
     assert len(snap["schedules"]) == 2 and snap["late_after"] == 15.0
     assert len(snap["throughput"]["t"]) == 120 and "emails" in snap["depth"]["queues"]
+
+
+def test_depth_with_no_worker_is_the_count_now_and_unknown_before(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    """No worker ever sampled: the seconds before the dashboard looked were served as 0."""
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task) SELECT 'emails', 't' FROM generate_series(1, 5)"
+    )
+    waiting = snapshot_read_after_now(client)["depth"]["queues"]["emails"]
+    assert waiting[-1] == 5 and waiting[0] is None  # (0 while it watched before the insert)
 
 
 def test_job_api_returns_the_full_error_or_404(
@@ -168,16 +196,92 @@ async def test_dashboard_sessions_are_read_only_and_time_limited(dsn: str) -> No
     database = Database(dsn, statement_timeout_ms=300)
     try:
         async with database.session() as session:
-            cur = await session.execute("SHOW default_transaction_read_only")
+            cur = await session.execute("SHOW transaction_read_only")
             assert await cur.fetchone() == ("on",)
             cur = await session.execute("SHOW statement_timeout")
             assert await cur.fetchone() == ("300ms",)
-            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            async with database.session() as session:
                 await session.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
-            with pytest.raises(psycopg.errors.QueryCanceled):
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            async with database.session() as session:
                 await session.execute("SELECT pg_sleep(5)")
     finally:
         await database.close()
+
+
+async def test_nothing_run_on_the_dashboards_session_can_write(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """What a READ ONLY transaction still allows (NOTIFY, lo_create, SET SESSION
+    CHARACTERISTICS, which as a superuser turned a session's read-only default back off) is
+    rolled back with it, and the next transaction is READ ONLY again whatever the session's
+    defaults say. The test user is a superuser, as a careless deployment's would be."""
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute("LISTEN dashboard_probe")
+    objects = "SELECT count(*) FROM pg_largeobject_metadata"
+    large_objects = conn.execute(objects).fetchone()
+    database = Database(dsn)
+    try:
+        async with database.session() as session:
+            await session.execute("NOTIFY dashboard_probe, 'from the dashboard'")
+            await session.execute("SELECT lo_create(0)")
+        async with database.session() as session:
+            await session.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE")
+        async with database.session() as session:
+            await session.execute("SET default_transaction_read_only = off")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            async with database.session() as session:
+                await session.execute("INSERT INTO pgqueue_jobs (queue, task) VALUES ('q', 't')")
+        with pytest.raises(psycopg.errors.ActiveSqlTransaction):
+            async with database.session() as session:
+                await session.execute("VACUUM pgqueue_jobs")
+        with pytest.raises(psycopg.errors.ActiveSqlTransaction):
+            async with database.session() as session:  # too late: the snapshot is taken
+                await session.execute("SET TRANSACTION READ WRITE")
+    finally:
+        await database.close()
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+    assert conn.execute(objects).fetchone() == large_objects
+    listener.execute("SELECT 1")  # a round trip delivers any pending notification
+    assert list(listener.notifies(timeout=0.2, stop_after=1)) == []
+    listener.close()
+
+
+def test_a_superuser_dashboard_warns_on_the_page_and_in_its_log(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="pgqueue.dashboard"):
+        assert snapshot(client)["writable"] == ["*"]  # the test user is a superuser
+    assert any(
+        "is a superuser" in r.getMessage() and "SELECT only" in r.getMessage()
+        for r in caplog.records
+    )
+    page = client.get("/").text
+    assert 'id="writable"' in page and "A role with SELECT only" in page
+
+
+async def test_a_role_granted_a_write_on_one_table_is_reported_with_that_table(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    name = f"pgqueue_writer_{uuid.uuid4().hex[:8]}"
+    role = sql.Identifier(name)
+    try:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(role))
+    except psycopg.errors.InsufficientPrivilege:
+        pytest.skip("this test server does not let the test user create roles")
+    try:
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(role))
+        conn.execute(sql.SQL("GRANT SELECT, DELETE ON pgqueue_jobs TO {}").format(role))
+        database = Database(conninfo.make_conninfo(dsn, user=name))
+        try:
+            async with database.session() as session:
+                assert await writable_tables(session, "public") == ["pgqueue_jobs"]
+        finally:
+            await database.close()
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        conn.execute(sql.SQL("DROP ROLE {}").format(role))
 
 
 def test_head_is_served_wherever_get_is(client: TestClient) -> None:
@@ -188,7 +292,7 @@ def test_head_is_served_wherever_get_is(client: TestClient) -> None:
 
 
 def test_the_dashboard_works_as_the_documented_select_only_role(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """docs/dashboard.md's role SQL, run as written (with a unique role name)."""
     role = f"pgqueue_dashboard_{uuid.uuid4().hex[:8]}"
@@ -204,8 +308,13 @@ def test_the_dashboard_works_as_the_documented_select_only_role(
         plant(conn)
         role_dsn = conninfo.make_conninfo(dsn, user=role, password="change-me")
         app = create_app(role_dsn, refresh_interval=0.2)
-        with TestClient(app, base_url="http://127.0.0.1") as client:
+        with (
+            caplog.at_level("WARNING", logger="pgqueue.dashboard"),
+            TestClient(app, base_url="http://127.0.0.1") as client,
+        ):
             snap = snapshot(client)
+            assert snap["writable"] == []  # no warning: this role cannot write
+            assert not [r for r in caplog.records if "SELECT only" in r.getMessage()]
             assert snap["tiles"]["waiting"] == 7 and len(snap["schedules"]) == 2
             assert len(snap["problems"]) == 2 and len(snap["workers"]) == 2
             dead = next(p for p in snap["problems"] if p["status"] == "dead")

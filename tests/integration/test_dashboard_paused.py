@@ -8,15 +8,19 @@ from typing import Any
 import psycopg
 
 from pgqueue.dashboard import queries
-from pgqueue.dashboard.database import Database, session_options
+from pgqueue.dashboard.database import Database
 from pgqueue.dashboard.refresh import Refresher
 from tests.dashboard_data import plant
 
 
 def _read(dsn: str) -> queries.Reading:
     async def go() -> queries.Reading:
-        async with await psycopg.AsyncConnection.connect(dsn, **session_options(dsn, 5000)) as conn:
-            return await queries.read(conn, "public", late_after=15.0)
+        database = Database(dsn)
+        try:
+            async with database.session() as conn:
+                return await queries.read(conn, "public", late_after=15.0)
+        finally:
+            await database.close()
 
     return asyncio.run(go())
 

@@ -9,14 +9,18 @@ import psycopg
 
 from pgqueue import stats
 from pgqueue.dashboard import queries
-from pgqueue.dashboard.database import session_options
+from pgqueue.dashboard.database import Database
 from tests.dashboard_data import WORKER_LATE, WORKER_OK, plant, planted_retries_in_the_minute_to
 
 
 def _read(dsn: str) -> queries.Reading:
     async def go() -> queries.Reading:
-        async with await psycopg.AsyncConnection.connect(dsn, **session_options(dsn, 5000)) as conn:
-            return await queries.read(conn, "public", late_after=15.0)
+        database = Database(dsn)
+        try:
+            async with database.session() as conn:
+                return await queries.read(conn, "public", late_after=15.0)
+        finally:
+            await database.close()
 
     return asyncio.run(go())
 
@@ -94,10 +98,15 @@ def test_finished_since_counts_only_settled_buckets_once(
     )
 
     async def go() -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
-            until, first = await queries.finished_since(c, "public", None)
-            _, again = await queries.finished_since(c, "public", until)
+        database = Database(dsn)
+        try:
+            async with database.session() as c:
+                until, first = await queries.finished_since(c, "public", None)
+            async with database.session() as c:
+                _, again = await queries.finished_since(c, "public", until)
             return first, again
+        finally:
+            await database.close()
 
     first, again = asyncio.run(go())
     assert [(r[0], r[1], r[3]) for r in first] == [("a", 3, 1)]  # the current second waits
@@ -128,8 +137,12 @@ def test_job_detail_has_the_full_error(dsn: str, conn: psycopg.Connection[Any]) 
     assert row is not None
 
     async def go() -> dict[str, Any] | None:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
-            return await queries.job_detail(c, "public", int(row[0]))
+        database = Database(dsn)
+        try:
+            async with database.session() as c:
+                return await queries.job_detail(c, "public", int(row[0]))
+        finally:
+            await database.close()
 
     detail = asyncio.run(go())
     assert detail is not None and detail["last_error"].endswith("END-OF-TRACEBACK")

@@ -57,14 +57,29 @@ def test_depth_prefers_worker_samples_and_fills_gaps_from_observations() -> None
 
 def test_a_deep_backlogs_sample_fills_the_seconds_it_holds_a_shallow_ones_does_not() -> None:
     end = 300
-    # 10 waiting at 2 per second of holding: the 5 seconds after it carry it; then 0.
+    # 10 waiting at 2 per second of holding: the 5 seconds after it carry it; then unknown.
     deep = figures.depth_series([(end - 10, "a", 10, 0)], {}, end, rows_per_second=2)
-    assert deep["queues"]["a"][-12:] == [0, 10, 10, 10, 10, 10, 10, 0, 0, 0, 0, 0]
+    assert deep["queues"]["a"][-12:] == [None, 10, 10, 10, 10, 10, 10] + [None] * 5
     shallow = figures.depth_series([(end - 3, "a", 1, 0)], {}, end, rows_per_second=2)
-    assert shallow["queues"]["a"][-4:] == [1, 0, 0, 0]
+    assert shallow["queues"]["a"][-4:] == [1, None, None, None]
     # What the dashboard observed itself wins over a held sample.
     mixed = figures.depth_series([(end - 3, "a", 10, 0)], {end - 1: {"a": 4}}, end, 2)
     assert mixed["queues"]["a"][-4:] == [10, 10, 4, 10]
+
+
+def test_depth_is_unknown_where_no_worker_sampled_and_the_dashboard_did_not_watch() -> None:
+    """No worker ran before this dashboard started: the chart must not draw 0 for jobs that
+    were waiting all along (it did, then jumped at its right edge)."""
+    end = 300
+    depth = figures.depth_series([], {end - 1: {"a": 5}, end: {"a": 5}}, end)
+    assert depth["queues"]["a"][:-2] == [None] * 118 and depth["queues"]["a"][-2:] == [5, 5]
+    # While a worker ran it sampled every second; a second without a row had nothing waiting.
+    ran = figures.depth_series([(end - 50, "a", 3, 0)], {end: {"a": 2}}, end,
+                               sampling=[(end - 60, end)])  # fmt: skip
+    a = ran["queues"]["a"]
+    assert a[-62] is None and a[-61:-51] == [0] * 10 and a[-51] == 3 and a[-50] == 0
+    # Its samples for the last two seconds may still be on their way: unknown, not 0.
+    assert a[-3:] == [0, None, 2]
 
 
 def test_depth_counts_key_statuses_by_queue() -> None:
@@ -119,11 +134,9 @@ def test_loopback_detection() -> None:
     assert not is_loopback("example.com")
 
 
-def test_sessions_are_read_only_with_a_timeout_and_keep_dsn_options() -> None:
-    opts = session_options("postgresql://u@h/db?options=-csearch_path%3Dx", 1234)
-    assert "default_transaction_read_only=on" in opts["options"]
-    assert "statement_timeout=1234" in opts["options"]
-    assert opts["options"].startswith("-csearch_path=x")
+def test_sessions_send_no_startup_options_so_the_dsns_own_are_kept() -> None:
+    # Read-only and the timeouts are set per transaction (PgBouncer refuses `options`).
+    assert "options" not in session_options()
 
 
 def test_one_publish_reaches_every_listener() -> None:

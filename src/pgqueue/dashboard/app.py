@@ -81,7 +81,9 @@ def create_app(
             async with database.session() as conn:
                 detail = await queries.job_detail(conn, schema, job_id)
         except Exception:
-            return JSONResponse({"error": "database unavailable"}, status_code=503)
+            return JSONResponse(
+                {"error": "database unavailable"}, status_code=503, headers=NO_STORE
+            )
         if detail is None:
             return JSONResponse({"error": "no such job"}, status_code=404, headers=NO_STORE)
         return JSONResponse(detail, headers=NO_STORE)
@@ -105,7 +107,10 @@ def create_app(
         )  # fmt: skip
 
     async def metrics(request: Request) -> Response:
-        return Response(exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8",
+            headers=NO_STORE,
+        )  # fmt: skip
 
     async def health(request: Request) -> Response:
         return PlainTextResponse("ok" if refresher.healthy else "database unreachable",

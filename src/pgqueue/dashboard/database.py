@@ -1,8 +1,14 @@
-"""The dashboard's one database session: read-only, time-limited, re-established on demand.
+"""The dashboard's one database connection: every read is an explicit READ ONLY transaction.
 
 A single connection serves the refresh loop and the rare job-detail fetch (a lock takes turns),
-so a dashboard costs one backend however many pages are open. Every session is read-only at the
-server (``default_transaction_read_only``) and bounded by ``statement_timeout``.
+so a dashboard costs one backend however many pages are open.
+
+The guards are set per transaction, never for the session: ``BEGIN ... READ ONLY`` and
+``set_config(..., is_local => true)``. A session default (``default_transaction_read_only`` in
+the startup ``options``) can be turned back off from inside the session (``SET SESSION
+CHARACTERISTICS AS TRANSACTION READ WRITE``); an explicit ``READ ONLY`` on every ``BEGIN``
+cannot. Startup ``options`` are also refused by PgBouncer, and a transaction-pooling PgBouncer
+would hand session settings to other clients.
 """
 
 from __future__ import annotations
@@ -11,51 +17,102 @@ import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
-from psycopg import conninfo
+from psycopg import IsolationLevel
 
 APPLICATION_NAME = "pgqueue-dashboard"
 
+# One SELECT, so it also takes the transaction's snapshot: after it, `SET TRANSACTION READ
+# WRITE` is refused ("must be set before any query"). No parallel workers and no JIT: every
+# panel reads a few index pages, and the planner's guess of 100 rows per jsonb_each_text would
+# otherwise launch workers (30 ms of startup for 1 ms of work) and take them from the
+# application's own queries.
+TRANSACTION_SETTINGS: LiteralString = (
+    "SELECT set_config('statement_timeout', %(timeout)s, true),"
+    " set_config('idle_in_transaction_session_timeout', '60000', true),"
+    " set_config('max_parallel_workers_per_gather', '0', true),"
+    " set_config('jit', 'off', true)"
+)
 
-def session_options(dsn: str, statement_timeout_ms: int) -> dict[str, Any]:
-    """Connection keywords: the DSN's own ``options`` kept, the read-only settings added."""
-    existing = conninfo.conninfo_to_dict(dsn).get("options") or ""
-    # No parallel workers and no JIT: every panel reads a few index pages, and the planner's
-    # guess of 100 rows per jsonb_each_text would otherwise launch workers (30 ms of startup
-    # for 1 ms of work) and take them from the application's own queries.
-    ours = (
-        f"-c default_transaction_read_only=on -c statement_timeout={int(statement_timeout_ms)}"
-        " -c idle_in_transaction_session_timeout=60000 -c max_parallel_workers_per_gather=0"
-        " -c jit=off"
-    )
-    return {
-        "autocommit": True,
-        "options": f"{existing} {ours}".strip(),
-        "application_name": APPLICATION_NAME,
-        "connect_timeout": 3,
-    }
+# Can the connected role write to pgqueue's tables? A superuser can write anything, and can
+# also undo any read-only setting; a role with INSERT, UPDATE or DELETE on a table could write
+# if the read-only transaction were ever bypassed. Catalog lookups only: run once at start.
+CAN_WRITE: LiteralString = """
+SELECT r.rolsuper,
+       COALESCE(array_agg(c.relname ORDER BY c.relname) FILTER (
+           WHERE has_table_privilege(c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE')), '{}')
+FROM pg_roles r
+LEFT JOIN pg_class c
+       ON c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = %(schema)s)
+      AND c.relkind IN ('r', 'p')
+      AND c.relname LIKE 'pgqueue\\_%%'
+WHERE r.rolname = current_user
+GROUP BY r.rolsuper
+"""
+
+
+def session_options() -> dict[str, Any]:
+    """Connection keywords. No startup ``options``: the DSN's own are kept as they are."""
+    return {"autocommit": True, "application_name": APPLICATION_NAME, "connect_timeout": 3}
+
+
+async def make_read_only(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Every ``conn.transaction()`` then begins with ``BEGIN ISOLATION LEVEL REPEATABLE READ
+    READ ONLY`` (one instant for every panel), whatever the session's defaults say."""
+    await conn.set_isolation_level(IsolationLevel.REPEATABLE_READ)
+    await conn.set_read_only(True)
+
+
+@contextlib.asynccontextmanager
+async def read_only_transaction(
+    conn: psycopg.AsyncConnection[Any], statement_timeout_ms: int
+) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """A READ ONLY transaction with the dashboard's limits, on a connection from
+    :func:`make_read_only`. It is rolled back, never committed: what a read-only transaction
+    still allows (``NOTIFY``, ``lo_create``, ``SET SESSION ...``) takes effect only at commit,
+    so nothing run in it outlives it."""
+    if conn.read_only is not True:
+        raise psycopg.ProgrammingError("the dashboard reads only on a read-only connection")
+    async with conn.transaction() as tx:
+        await conn.execute(TRANSACTION_SETTINGS, {"timeout": str(int(statement_timeout_ms))})
+        yield conn
+        raise psycopg.Rollback(tx)
+
+
+async def writable_tables(conn: psycopg.AsyncConnection[Any], schema: str) -> list[str]:
+    """The pgqueue tables the connected role could write to (``["*"]`` for a superuser)."""
+    cur = await conn.execute(CAN_WRITE, {"schema": schema})
+    row = await cur.fetchone()
+    if row is None:
+        return []
+    return ["*"] if row[0] else [str(name) for name in row[1]]
 
 
 class Database:
     def __init__(self, dsn: str, *, statement_timeout_ms: int = 5000) -> None:
         self.dsn = dsn
-        self.kwargs = session_options(dsn, statement_timeout_ms)
+        self.statement_timeout_ms = statement_timeout_ms
+        self.kwargs = session_options()
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._lock = asyncio.Lock()
-        #: Sessions handed out: what the dashboard costs the database, whatever the open pages.
+        #: Read transactions run: what the dashboard costs the database, whatever the open pages.
         self.uses = 0
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The connection, inside one READ ONLY transaction with the dashboard's limits, which
+        is rolled back at the end (see :func:`read_only_transaction`)."""
         async with self._lock:
             self.uses += 1
             if self._conn is None or self._conn.closed or self._conn.broken:
                 await self._drop()
                 self._conn = await psycopg.AsyncConnection.connect(self.dsn, **self.kwargs)
+                await make_read_only(self._conn)
             try:
-                yield self._conn
+                async with read_only_transaction(self._conn, self.statement_timeout_ms) as conn:
+                    yield conn
             except psycopg.OperationalError:
                 await self._drop()  # a dead server or a terminated backend: reconnect next time
                 raise

@@ -88,11 +88,15 @@ def depth_series(
     observed: Mapping[int, Mapping[str, int]],
     end: int,
     rows_per_second: int = stats.DEPTH_ROWS_PER_SECOND,
+    sampling: Iterable[tuple[float, float]] = (),
 ) -> dict[str, Any]:
-    """Waiting jobs per queue per second. Workers' samples (shared, survive restarts) win; the
-    seconds they miss are filled from what this dashboard observed itself, else from the last
-    sample of a deep backlog, which is taken less often and stands for the seconds it holds
-    (``stats.depth_holds``); else 0."""
+    """Waiting jobs per queue per second, None where nobody knows. Workers' samples (shared,
+    survive restarts) win; the seconds they miss are filled from what this dashboard observed
+    itself, else from the last sample of a deep backlog, which is taken less often and stands
+    for the seconds it holds (``stats.depth_holds``). A second with no sample while a worker was
+    running (``sampling``: its (first, last) seconds) had nothing waiting: a running worker
+    samples every second and writes no row for an empty queue. Any other second is unknown (no
+    worker, and the dashboard was not watching): a gap on the chart, never a made-up 0."""
     by_second: dict[int, dict[str, int]] = {}
     for second, queue, waiting, _running in sampled:
         by_second.setdefault(int(second), {})[str(queue)] = int(waiting)
@@ -102,12 +106,19 @@ def depth_series(
         if holds > 1:
             for t in range(second + 1, second + holds + 1):
                 held[t] = counts
+    spans = list(sampling)
     xs = seconds(end)
+    known: dict[int, dict[str, int]] = {}
     for t in xs:
-        if t not in by_second and (t in observed or t in held):
-            by_second[t] = dict(observed[t] if t in observed else held[t])
-    names = sorted({q for t in xs for q in by_second.get(t, {})})
-    series = {q: [by_second.get(t, {}).get(q, 0) for t in xs] for q in names}
+        if t in by_second:
+            known[t] = by_second[t]
+        elif t in observed or t in held:
+            known[t] = dict(observed[t] if t in observed else held[t])
+        # A worker's sample for the last seconds may still be on its way: unknown, not 0.
+        elif t <= end - SETTLE and any(first <= t <= last for first, last in spans):
+            known[t] = {}
+    names = sorted({q for counts in known.values() for q in counts})
+    series = {q: [known[t].get(q, 0) if t in known else None for t in xs] for q in names}
     # A queue that never had anything waiting in the window is noise on the chart.
     series = {q: v for q, v in series.items() if any(v)}
     return {"t": xs, "queues": series}

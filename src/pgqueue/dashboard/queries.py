@@ -51,47 +51,44 @@ async def _all(
 async def read(
     conn: psycopg.AsyncConnection[Any], schema: str, *, late_after: float = 15.0
 ) -> Reading:
-    """Every panel, in one REPEATABLE READ READ ONLY transaction: one instant for all figures."""
+    """Every panel, inside the caller's REPEATABLE READ READ ONLY transaction
+    (``Database.read``): one instant for all figures."""
     q = statements(schema)
-    async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        clock = (await _all(conn, q["clock"]))[0]
-        now, second = float(clock[0]), int(clock[1])
-        sampled = await _all(
-            conn, q["depth_sampled"], {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND}
-        )
-        depth_rows = sampled or await _all(conn, q["depth_count"])
-        depth = figures.with_running(
-            figures.depth_counts(depth_rows), await _all(conn, q["running_by_queue"])
-        )
-        tput = figures.throughput(await _all(conn, q["throughput"]), second)
-        latency = figures.latency(figures.histograms(await _all(conn, q["latency_histograms"])))
-        samples = await _all(conn, q["depth_history"])
-        workers = [figures.worker_row(r, late_after) for r in await _all(conn, q["workers"])]
-        running = [
-            {"id": r[0], "task": r[1], "queue": r[2], "worker": r[3], "attempt": r[4],
-             "max_attempts": r[5], "running_for": r[6], "lease_left": r[7], "args": r[8],
-             "progress": r[9], "parents": r[10], "children": r[11]}
-            for r in await _all(conn, q["running_jobs"], {"limit": LIST_LIMIT})
-        ]  # fmt: skip
-        problems = [
-            {"id": r[0], "task": r[1], "queue": r[2], "status": r[3], "attempts": r[4],
-             "max_attempts": r[5], "error": r[6], "error_length": r[7], "when": r[8],
-             "args": r[9], "parents": r[10], "children": r[11]}
-            for r in await _all(conn, q["problems"], {"limit": LIST_LIMIT})
-        ]  # fmt: skip
-        dead, retrying = (await _all(conn, q["problem_counts"]))[0]
-        feed = [
-            {"id": r[0], "task": r[1], "queue": r[2], "event": r[3], "at": r[4], "attempt": r[5]}
-            for r in await _all(conn, q["feed"], {"limit": FEED_LIMIT})
-        ]
-        schedules = [
-            {"name": r[0], "cron": r[1], "task": r[2], "queue": r[3], "next_run": r[4],
-             "last_run": r[5], "enabled": r[6], "paused": r[7]}
-            for r in await _all(conn, q["schedules"])
-        ]  # fmt: skip
-        paused = [str(r[0]) for r in await _all(conn, q["paused_queues"])]
-        counter = await _all(conn, q["insert_counter"], {"schema": schema})
+    clock = (await _all(conn, q["clock"]))[0]
+    now, second = float(clock[0]), int(clock[1])
+    sampled = await _all(conn, q["depth_sampled"], {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND})
+    depth_rows = sampled or await _all(conn, q["depth_count"])
+    depth = figures.with_running(
+        figures.depth_counts(depth_rows), await _all(conn, q["running_by_queue"])
+    )
+    tput = figures.throughput(await _all(conn, q["throughput"]), second)
+    latency = figures.latency(figures.histograms(await _all(conn, q["latency_histograms"])))
+    samples = await _all(conn, q["depth_history"])
+    workers = [figures.worker_row(r, late_after) for r in await _all(conn, q["workers"])]
+    running = [
+        {"id": r[0], "task": r[1], "queue": r[2], "worker": r[3], "attempt": r[4],
+         "max_attempts": r[5], "running_for": r[6], "lease_left": r[7], "args": r[8],
+         "progress": r[9], "parents": r[10], "children": r[11]}
+        for r in await _all(conn, q["running_jobs"], {"limit": LIST_LIMIT})
+    ]  # fmt: skip
+    problems = [
+        {"id": r[0], "task": r[1], "queue": r[2], "status": r[3], "attempts": r[4],
+         "max_attempts": r[5], "error": r[6], "error_length": r[7], "when": r[8],
+         "args": r[9], "parents": r[10], "children": r[11]}
+        for r in await _all(conn, q["problems"], {"limit": LIST_LIMIT})
+    ]  # fmt: skip
+    dead, retrying = (await _all(conn, q["problem_counts"]))[0]
+    feed = [
+        {"id": r[0], "task": r[1], "queue": r[2], "event": r[3], "at": r[4], "attempt": r[5]}
+        for r in await _all(conn, q["feed"], {"limit": FEED_LIMIT})
+    ]
+    schedules = [
+        {"name": r[0], "cron": r[1], "task": r[2], "queue": r[3], "next_run": r[4],
+         "last_run": r[5], "enabled": r[6], "paused": r[7]}
+        for r in await _all(conn, q["schedules"])
+    ]  # fmt: skip
+    paused = [str(r[0]) for r in await _all(conn, q["paused_queues"])]
+    counter = await _all(conn, q["insert_counter"], {"schema": schema})
     return Reading(
         now=now,
         second=second,
@@ -114,12 +111,10 @@ async def finished_since(
     conn: psycopg.AsyncConnection[Any], schema: str, after: datetime | None
 ) -> tuple[datetime, list[tuple[Any, ...]]]:
     """Settled per-queue counts and histograms since ``after`` (None: since the beginning of
-    the retention window), and the new watermark."""
+    the retention window), and the new watermark; inside the caller's read-only transaction."""
     q = statements(schema)
-    async with conn.transaction():
-        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        until = (await _all(conn, q["settled_until"]))[0][0]
-        rows = await _all(conn, q["finished_since"], {"after": after or datetime.min})
+    until = (await _all(conn, q["settled_until"]))[0][0]
+    rows = await _all(conn, q["finished_since"], {"after": after or datetime.min})
     return until, rows
 
 

@@ -22,7 +22,7 @@ import psycopg
 from .. import __version__, stats
 from . import figures, queries
 from .broadcast import Broadcaster
-from .database import Database
+from .database import Database, writable_tables
 
 log = logging.getLogger("pgqueue.dashboard")
 
@@ -72,6 +72,9 @@ class Refresher:
         self._inserts: tuple[float, int] | None = None
         self._insert_rate: float | None = None
         self._down_reason: str | None = None
+        #: pgqueue tables the dashboard's role could write to (["*"]: a superuser); None until
+        #: the first read has looked.
+        self.writable: list[str] | None = None
         #: False while the database is unreachable (the last snapshot is then stale).
         self.healthy = False
 
@@ -94,6 +97,9 @@ class Refresher:
     async def refresh_once(self) -> dict[str, Any]:
         started = time.perf_counter()
         async with self.database.session() as conn:
+            if self.writable is None:
+                self.writable = await writable_tables(conn, self.schema)
+                self._warn_if_writable()
             reading = await queries.read(conn, self.schema, late_after=self.late_after)
             # Cheap: after the first read it covers only the seconds settled since the last.
             until, rows = await queries.finished_since(conn, self.schema, self.totals.watermark)
@@ -110,11 +116,34 @@ class Refresher:
         await self.broadcaster.publish(json.dumps(snapshot, separators=(",", ":")).encode())
         return snapshot
 
+    def _warn_if_writable(self) -> None:
+        if not self.writable:
+            return
+        what = (
+            "is a superuser"
+            if self.writable == ["*"]
+            else "can write to " + ", ".join(self.writable)
+        )
+        log.warning(
+            "the dashboard's database role %s: the dashboard never writes, but connect it as a "
+            "role with SELECT only (docs/dashboard.md, 'A role with SELECT only')",
+            what,
+        )
+
     def _build(self, r: queries.Reading) -> dict[str, Any]:
         waiting_now = {q: c["queued"] + c["retrying"] for q, c in r.depth.items()}
-        if not self._observed or self._observed[-1][0] != r.second:
-            self._observed.append((r.second, waiting_now))
-        depth = figures.depth_series(r.depth_samples, dict(self._observed), r.second)
+        # The latest read of a second stands for it: the chart's right edge is the depth now.
+        if self._observed and self._observed[-1][0] == r.second:
+            self._observed.pop()
+        self._observed.append((r.second, waiting_now))
+        # Seconds some registered worker was running (and so sampling the depth every second).
+        sampling = [
+            (r.now - w["uptime"], r.now if not w["late"] else r.now - w["heartbeat_age"])
+            for w in r.workers
+        ]
+        depth = figures.depth_series(
+            r.depth_samples, dict(self._observed), r.second, sampling=sampling
+        )
         if r.inserts_total is not None:
             if self._inserts is not None and r.now > self._inserts[0]:
                 delta = max(r.inserts_total - self._inserts[1], 0)
@@ -131,6 +160,8 @@ class Refresher:
             "refresh": self.refreshes,
             "interval": self.interval,
             "late_after": self.late_after,
+            # The role can write: the page says so (connect as a SELECT-only role instead).
+            "writable": self.writable or [],
             "refresh_ms": round(self.last_duration * 1000, 1) if self.last_duration else None,
             "tiles": {
                 "throughput": tput["rate"],

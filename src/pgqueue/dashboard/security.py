@@ -1,7 +1,9 @@
 """The dashboard's guards, each a plain ASGI middleware testable alone.
 
 - ``SecurityHeaders``: a strict CSP (scripts and styles from this origin only, no inline code,
-  no framing) and the usual hardening headers, on every response.
+  no framing) and the usual hardening headers, on every response; ``Cache-Control: no-store``
+  on every response but static files (errors included: a cached 503 or 401 would outlive
+  its cause, and figures must never come from a cache).
 - ``ReadOnlyMethods``: GET and HEAD only; anything else is 405 before routing or auth, which
   removes most CSRF risk: there is nothing to forge.
 - ``BasicAuth``: optional; credentials compared in constant time; the health probes
@@ -33,6 +35,7 @@ HEADERS = {
     "Permissions-Policy": "camera=(), microphone=(), geolocation=(), payment=()",
 }
 ALLOWED_METHODS = ("GET", "HEAD")
+CACHEABLE_PREFIX = "/static/"
 #: Probes (a load balancer's, Kubernetes') answer without credentials; they reveal nothing.
 OPEN_PATHS = ("/health", "/healthz", "/readyz")
 
@@ -46,11 +49,15 @@ class SecurityHeaders:
             await self.app(scope, receive, send)
             return
 
+        cacheable = str(scope["path"]).startswith(CACHEABLE_PREFIX)
+
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 for name, value in HEADERS.items():
                     headers[name] = value
+                if not cacheable:
+                    headers["Cache-Control"] = "no-store"
             await send(message)
 
         await self.app(scope, receive, send_with_headers)

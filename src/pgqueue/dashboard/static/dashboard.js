@@ -4,7 +4,7 @@
   "use strict";
 
   const $ = (id) => document.getElementById(id);
-  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", legendKey: "", paused: new Set(), seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
+  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", legendKey: "", depthScale: null, depthValues: new Map(), problemsOpen: new Set(), paused: new Set(), seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
 
   // --- formatting ------------------------------------------------------------------------
   function fmtSeconds(s) {
@@ -70,11 +70,62 @@
   // --- charts (uPlot) --------------------------------------------------------------------
   function cssVar(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
   function chartSize(node) { return { width: Math.max(node.clientWidth, 200), height: 200 }; }
-  function axes() {
+  function fmtTick(v) {
+    if (v === null || v === undefined) return "";
+    const a = Math.abs(v);
+    if (a >= 1e6) return +(v / 1e6).toFixed(1) + "M";
+    if (a >= 1e4) return +(v / 1e3).toFixed(0) + "k";
+    if (a >= 1e3) return +(v / 1e3).toFixed(1) + "k";
+    return String(+v.toFixed(2));
+  }
+  function fmtClock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
+  // Both charts get the same axis sizes, so their plot areas line up side by side.
+  function axes(unit) {
     const ink = cssVar("--muted"), grid = cssVar("--line");
     const common = { stroke: ink, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 } };
-    const clock = (u, ticks) => ticks.map((v) => new Date(v * 1000).toLocaleTimeString([], { hour12: false }));
-    return [Object.assign({}, common, { values: clock, space: 70 }), Object.assign({}, common, { size: 48 })];
+    const clock = (u, ticks) => ticks.map(fmtClock);
+    return [Object.assign({}, common, { values: clock, space: 70, size: 40 }),
+            Object.assign({}, common, { size: 44, label: unit, labelSize: 16, labelFont: "11px system-ui, sans-serif",
+                                        values: (u, ticks) => ticks.map(fmtTick) })];
+  }
+  // Log scale ticks: 0 and the powers of ten, nothing else (uPlot's own add a -1 and every 2, 5).
+  function logAxes() {
+    const both = axes("jobs (log)");
+    both[1].splits = (u, axisIdx, min, max) => {
+      const out = [0];
+      for (let v = 1; v <= max; v *= 10) out.push(v);
+      return out;
+    };
+    return both;
+  }
+  // A value with nothing next to it would be invisible as a line: draw it as a dot (the first
+  // second a dashboard sees, with no worker sampling before it).
+  function lonePoints(u, seriesIdx) {
+    const ys = u.data[seriesIdx], out = [];
+    for (let i = 0; i < ys.length; i++) {
+      if (ys[i] !== null && ys[i] !== undefined && (i === 0 || ys[i - 1] === null) && (i === ys.length - 1 || ys[i + 1] === null)) out.push(i);
+    }
+    return out;
+  }
+  // The figures under the cursor, or the latest ones when it is elsewhere: the legend is live.
+  function readoutIndex(u, latest) {
+    const idx = u.cursor.idx;
+    return idx === null || idx === undefined ? latest(u) : idx;
+  }
+  function lastKnown(u) {
+    for (let i = u.data[0].length - 1; i >= 0; i--) {
+      for (let s = 1; s < u.data.length; s++) if (u.data[s][i] !== null && u.data[s][i] !== undefined) return i;
+    }
+    return u.data[0].length - 1;
+  }
+  function fmtValue(v, fmt) { return v === null || v === undefined ? "–" : fmt(v); }
+
+  function throughputReadout(u) {
+    const i = readoutIndex(u, lastKnown);
+    const total = u.data[1][i], ok = u.data[2][i];
+    setText("tp-ok", fmtValue(ok, fmtRate));
+    setText("tp-bad", fmtValue(total === null || ok === null ? null : total - ok, fmtRate));
+    setText("tp-at", "jobs/s at " + fmtClock(u.data[0][i]));
   }
 
   function renderThroughput(tp) {
@@ -90,7 +141,8 @@
       state.charts.tp = new window.uPlot(Object.assign(chartSize(node), {
         legend: { show: false }, cursor: { drag: { x: false, y: false } },
         scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
-        axes: axes(),
+        axes: axes("jobs/s"),
+        hooks: { setCursor: [throughputReadout], setData: [throughputReadout] },
         series: [{}, { label: "failed / dead", stroke: bad, fill: bad + "cc", width: 1, points: { show: false } },
                  { label: "succeeded", stroke: ok, fill: ok + "cc", width: 1, points: { show: false } }],
       }), data, node);
@@ -111,12 +163,42 @@
   }
   function queueCell(name) { const td = cell(""); td.append(queueName(name)); return td; }
 
-  const QUEUE_COLOURS = ["--q1", "--q2", "--q3", "--q4", "--q5", "--q6"];
+  // A queue keeps its colour whatever other queues come and go: it is a hash of its name
+  // (FNV-1a) into the palette, not its place in the list.
+  const PALETTE_SIZE = 10;
+  function queueColour(name) {
+    let h = 0x811c9dc5;
+    for (let i = 0; i < name.length; i++) { h ^= name.charCodeAt(i); h = Math.imul(h, 0x01000193); }
+    return cssVar("--q" + (((h >>> 0) % PALETTE_SIZE) + 1));
+  }
+
+  // Log scale (arcsinh: linear near 0, so empty seconds still sit on the axis) when one queue
+  // dwarfs another, unless the reader picked a scale.
+  function depthScale(depth) {
+    if (state.depthScale) return state.depthScale;
+    const peaks = Object.values(depth.queues).map((v) => Math.max(0, ...v.filter((x) => x !== null))).filter((p) => p > 0);
+    return peaks.length > 1 && Math.max(...peaks) >= 10 * Math.min(...peaks) ? "log" : "linear";
+  }
+
+  function depthReadout(u) {
+    const i = readoutIndex(u, lastKnown);
+    const hovering = u.cursor.idx !== null && u.cursor.idx !== undefined;
+    for (let s = 1; s < u.series.length; s++) {
+      const node = state.depthValues.get(u.series[s].label);
+      if (node) { const text = fmtValue(u.data[s][i], fmtInt); if (node.textContent !== text) node.textContent = text; }
+    }
+    setText("depth-at", "jobs waiting " + (hovering ? "at " + fmtClock(u.data[0][i]) : "now"));
+  }
+
   function renderDepth(depth) {
     const names = Object.keys(depth.queues);
     $("depth-empty").hidden = names.length > 0;
     $("chart-depth").hidden = names.length === 0;
-    const key = names.join("\u0000");
+    const scale = depthScale(depth);
+    for (const button of document.querySelectorAll("#depth-scale button")) {
+      button.setAttribute("aria-pressed", String(button.dataset.scale === scale));
+    }
+    const key = names.join("\u0000") + "\u0002" + scale;
     if (key !== state.depthKey) {
       state.depthKey = key;
       if (state.charts.depth) { state.charts.depth.destroy(); state.charts.depth = null; }
@@ -126,19 +208,37 @@
     const legendKey = key + "\u0001" + [...state.paused].join("\u0000");
     if (legendKey !== state.legendKey) {
       state.legendKey = legendKey;
+      state.depthValues = new Map();
+      const at = el("span", "at");
+      at.id = "depth-at";
       $("depth-legend").replaceChildren(
-        ...names.flatMap((n, i) => [el("span", "key q" + (i % 6)), queueName(n, "qname")]),
-        ...idle.map((n) => queueName(n, "qname idle")));
+        ...names.map((n) => {
+          const item = el("span", "item");
+          const swatch = el("span", "key");
+          swatch.dataset.queue = n;
+          const value = el("b", "val", "");
+          state.depthValues.set(n, value);
+          item.append(swatch, queueName(n, "qname"), value);
+          return item;
+        }),
+        ...idle.map((n) => queueName(n, "qname idle")), at);
+      // Colours go through the CSSOM (allowed by the CSP), never through style attributes.
+      for (const swatch of document.querySelectorAll("#depth-legend .key")) swatch.style.background = queueColour(swatch.dataset.queue);
     }
     if (!window.uPlot || names.length === 0) return;
     const data = [depth.t, ...names.map((n) => depth.queues[n])];
     if (!state.charts.depth) {
       const node = $("chart-depth");
+      const y = scale === "log"
+        ? { distr: 4, log: 10, asinh: 1, range: (u, min, max) => [0, Math.max(max, 10) * 1.5] }
+        : { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] };
       state.charts.depth = new window.uPlot(Object.assign(chartSize(node), {
         legend: { show: false }, cursor: { drag: { x: false, y: false } },
-        scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, 1) * 1.1] } },
-        axes: axes(),
-        series: [{}, ...names.map((n, i) => ({ label: n, stroke: cssVar(QUEUE_COLOURS[i % 6]), width: 2, points: { show: false } }))],
+        scales: { x: { time: true }, y },
+        axes: scale === "log" ? logAxes() : axes("jobs"),
+        hooks: { setCursor: [depthReadout], setData: [depthReadout] },
+        series: [{}, ...names.map((n) => ({ label: n, stroke: queueColour(n), width: 2,
+                                           points: { show: true, size: 5, fill: queueColour(n), filter: lonePoints } }))],
       }), data, node);
     } else {
       state.charts.depth.setData(data);
@@ -251,30 +351,78 @@
     }
   }
 
+  function problemRow(r) {
+    const tr = el("tr", r.status);
+    tr.dataset.job = String(r.id);
+    const task = cell(r.task); task.append(el("span", "args mono", r.args));
+    if (r.parents || r.children) task.append(family(r));
+    const status = el("span", "pill " + r.status, r.status);
+    const attempts = cell(r.attempts + " / " + r.max_attempts + " ", "num"); attempts.append(status);
+    const details = el("details", "error");
+    const summary = el("summary", "", r.error ? r.error.split("\n")[0] : "(no error recorded)");
+    const pre = el("pre", "mono");
+    details.append(summary, pre);
+    // Remembered at the click: the toggle event comes a task later, and a refresh in between
+    // would rebuild the row closed (the screenshot script lost its open error that way).
+    summary.addEventListener("click", () => { if (details.open) state.openErrors.delete(r.id); else state.openErrors.add(r.id); });
+    details.addEventListener("toggle", () => {
+      if (details.open) { state.openErrors.add(r.id); loadError(r.id, pre); } else { state.openErrors.delete(r.id); }
+    });
+    if (state.openErrors.has(r.id)) { details.open = true; pre.textContent = state.fullErrors.get(r.id) || ""; }
+    const errorCell = cell(""); errorCell.append(details);
+    const when = cell(r.status === "dead" ? fmtAgo(-r.when) : r.when > 0 ? "retry in " + fmtSeconds(r.when) : "retry due now", "num");
+    tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), attempts, errorCell, when);
+    return tr;
+  }
+
+  // Dead and retrying jobs in two groups, each with its count and its first rows, so many dead
+  // jobs never push the retrying ones out of sight; the rest is one click away. No scroll box:
+  // a row is never cut in half.
+  const PROBLEM_ROWS = 5;
+  const PROBLEM_GROUPS = [["dead", "Dead", "newest", "No dead jobs"], ["retrying", "Retrying", "soonest", "Nothing waits for a retry"]];
   function renderProblems(rows, counts) {
     setText("problem-counts", counts ? "· " + fmtInt(counts.dead) + " dead · " + fmtInt(counts.retrying) + " retrying" : "");
     const body = $("problems");
     if (!rows.length) { body.replaceChildren(emptyRow(6, "Nothing here")); return; }
-    body.replaceChildren(...rows.map((r) => {
-      const tr = el("tr");
-      tr.dataset.job = String(r.id);
-      const task = cell(r.task); task.append(el("span", "args mono", r.args));
-      if (r.parents || r.children) task.append(family(r));
-      const status = el("span", "pill " + r.status, r.status);
-      const attempts = cell(r.attempts + " / " + r.max_attempts + " ", "num"); attempts.append(status);
-      const details = el("details", "error");
-      const summary = el("summary", "", r.error ? r.error.split("\n")[0] : "(no error recorded)");
-      const pre = el("pre", "mono");
-      details.append(summary, pre);
-      details.addEventListener("toggle", () => {
-        if (details.open) { state.openErrors.add(r.id); loadError(r.id, pre); } else { state.openErrors.delete(r.id); }
-      });
-      if (state.openErrors.has(r.id)) { details.open = true; pre.textContent = state.fullErrors.get(r.id) || ""; }
-      const errorCell = cell(""); errorCell.append(details);
-      const when = cell(r.status === "dead" ? fmtAgo(-r.when) : r.when > 0 ? "retry in " + fmtSeconds(r.when) : "retry due now", "num");
-      tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), attempts, errorCell, when);
-      return tr;
-    }));
+    const out = [];
+    for (const [status, label, order, none] of PROBLEM_GROUPS) {
+      const group = rows.filter((r) => r.status === status);
+      const total = counts ? counts[status] : group.length;
+      const head = el("tr", "group " + status);
+      const th = el("th", "", "");
+      th.colSpan = 6;
+      th.append(el("span", "pill " + status, label), " ", el("span", "group-count", fmtInt(total)));
+      head.append(th);
+      out.push(head);
+      if (!group.length) { out.push(emptyRow(6, none)); continue; }
+      const open = state.problemsOpen.has(status);
+      const shown = open ? group : group.slice(0, PROBLEM_ROWS);
+      out.push(...shown.map(problemRow));
+      const parts = [];
+      if (total > shown.length) parts.push(el("span", "muted", "the " + order + " " + fmtInt(shown.length) + " of " + fmtInt(total) + " "));
+      if (group.length > PROBLEM_ROWS) {
+        const button = el("button", "more", open ? "show fewer" : "show " + fmtInt(group.length - shown.length) + " more");
+        button.type = "button";
+        button.addEventListener("click", () => {
+          if (open) state.problemsOpen.delete(status); else state.problemsOpen.add(status);
+          if (state.snap) { renderProblems(state.snap.problems, state.snap.problem_counts); markOverflow(); }
+        });
+        parts.push(button);
+      }
+      if (parts.length) { const tr = el("tr", "more-row"); const td = cell(""); td.colSpan = 6; td.append(...parts); tr.append(td); out.push(tr); }
+    }
+    body.replaceChildren(...out);
+  }
+
+  // A table wider than its box scrolls sideways: say so (a shade and a hint on that side).
+  function markOverflow() {
+    for (const box of document.querySelectorAll(".scroll")) {
+      const more = [];
+      if (box.scrollLeft > 1) more.push("left");
+      if (box.scrollLeft + box.clientWidth < box.scrollWidth - 1) more.push("right");
+      const value = more.join(" ");
+      if (box.dataset.more !== value) box.dataset.more = value;
+    }
   }
 
   function renderSchedules(rows) {
@@ -318,6 +466,14 @@
     }
   }
 
+  // The role can write (a superuser, or INSERT/UPDATE/DELETE grants): say so, once per page.
+  function renderWritable(tables) {
+    $("writable").hidden = tables.length === 0;
+    setText("writable-text", tables.length === 0 ? "" : tables[0] === "*"
+      ? "It is a superuser."
+      : "It may change " + tables.join(", ") + ".");
+  }
+
   function render(snap) {
     if (snap.status !== "ok") {
       setConn("reconnecting", "reconnecting to the database…", snap.error);
@@ -329,6 +485,7 @@
     state.receivedAt = performance.now();
     document.body.dataset.refresh = String(snap.refresh);
     state.paused = new Set(snap.paused_queues || []);
+    renderWritable(snap.writable || []);
     renderTiles(snap.tiles);
     renderThroughput(snap.throughput);
     renderDepth(snap.depth);
@@ -338,6 +495,7 @@
     renderProblems(snap.problems, snap.problem_counts);
     renderSchedules(snap.schedules);
     renderRates(snap);
+    markOverflow();
     tick();
   }
 
@@ -350,9 +508,17 @@
 
   window.addEventListener("resize", () => {
     for (const chart of Object.values(state.charts)) if (chart) chart.setSize(chartSize(chart.root.parentElement));
+    markOverflow();
   });
+  document.addEventListener("scroll", markOverflow, true);  // scroll does not bubble: capture
 
   document.addEventListener("DOMContentLoaded", () => {
+    for (const button of document.querySelectorAll("#depth-scale button")) {
+      button.addEventListener("click", () => {
+        state.depthScale = button.dataset.scale;
+        if (state.snap) renderDepth(state.snap.depth);
+      });
+    }
     connect();
     setInterval(tick, 250);
   });
