@@ -208,6 +208,9 @@ def test_the_dashboard_works_as_the_documented_select_only_role(
             assert len(snap["problems"]) == 2 and len(snap["workers"]) == 2
             dead = next(p for p in snap["problems"] if p["status"] == "dead")
             assert client.get(f"/api/jobs/{dead['id']}").json()["last_error"]
+            retrying = next(p for p in snap["problems"] if p["status"] == "retrying")
+            assert client.get(f"/api/jobs/{retrying['id']}").json()["why"]
+            assert "Why isn" in client.get(f"/jobs/{retrying['id']}").text
             assert "pgqueue_jobs_finished_total" in client.get("/metrics").text
         with (
             psycopg.connect(role_dsn, autocommit=True) as as_role,

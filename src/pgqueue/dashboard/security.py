@@ -1,7 +1,7 @@
 """The dashboard's guards, each a plain ASGI middleware testable alone.
 
 - ``SecurityHeaders``: a strict CSP (scripts and styles from this origin only, no inline code,
-  no framing) and the usual hardening headers, on every response.
+  no framing, forms submit to this origin only: the one form is the GET job search) and the usual hardening headers, on every response.
 - ``ReadOnlyMethods``: GET and HEAD only; anything else is 405 before routing or auth, which
   removes most CSRF risk: there is nothing to forge.
 - ``BasicAuth``: optional; credentials compared in constant time; ``/health`` stays open.
@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; font-src 'self'; manifest-src 'self'; base-uri 'none'; "
-    "form-action 'none'; frame-ancestors 'none'"
+    "form-action 'self'; frame-ancestors 'none'"
 )
 HEADERS = {
     "Content-Security-Policy": CSP,
