@@ -19,7 +19,7 @@ from . import queries, why
 
 #: Parents and children listed per job; counts go up to ``COUNT_CAP`` (job_family).
 FAMILY_LIMIT = 50
-COUNT_CAP = 10_000
+COUNT_CAP = 1000
 #: Arguments, meta and results larger than this are not fetched (job_detail).
 VALUE_LIMIT = 65536
 #: The JSON API's argument preview, as before the detail page existed.

@@ -220,13 +220,13 @@ WHERE j.id = %(id)s
 -- name: job_family
 -- The jobs this one runs after (parents, in their after= order: the child index) and the jobs
 -- that run after it (children: the primary key's parent_id prefix), the first %(limit)s of each
--- with task and status (primary-key probes), and how many of each, counted up to 10,001 so
+-- with task and status (primary-key probes), and how many of each, counted up to 1,001 so
 -- that a group's callback with 100,000 parents costs a bounded index-only read. A parent
 -- pruned since (succeeded past the retention window) has no status.
 SELECT (SELECT count(*) FROM (SELECT FROM {schema}.pgqueue_job_deps
-                              WHERE child_id = %(id)s LIMIT 10001) n)::int,
+                              WHERE child_id = %(id)s LIMIT 1001) n)::int,
        (SELECT count(*) FROM (SELECT FROM {schema}.pgqueue_job_deps
-                              WHERE parent_id = %(id)s LIMIT 10001) n)::int,
+                              WHERE parent_id = %(id)s LIMIT 1001) n)::int,
        (SELECT jsonb_agg(jsonb_build_array(d.parent_id, j.task, j.status) ORDER BY d.position,
                          d.parent_id)
         FROM (SELECT parent_id, position FROM {schema}.pgqueue_job_deps WHERE child_id = %(id)s
