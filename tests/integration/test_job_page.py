@@ -7,6 +7,7 @@ claims and rate logs as the claims write them.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -16,11 +17,15 @@ import pytest
 from starlette.testclient import TestClient
 
 import pgqueue
+from pgqueue.dashboard import job_page
 from pgqueue.dashboard.app import create_app
+from pgqueue.dashboard.database import session_options
 from pgqueue.sql import queries
 from tests.dashboard_data import XSS
+from tests.helpers import running_worker, wait_until_async
 
 Conn = psycopg.Connection[Any]
+BEAT = {"lease": 3.0, "heartbeat_interval": 0.2, "poll_interval": 0.5, "reaper_interval": 1.0}
 
 
 @pytest.fixture
@@ -320,3 +325,50 @@ def test_a_role_granted_before_the_detail_page_still_gets_the_page(
     finally:
         conn.execute(f"DROP OWNED BY {role}")
         conn.execute(f"DROP ROLE {role}")
+
+
+async def test_the_reasons_follow_a_real_worker(dsn: str, app: pgqueue.App) -> None:
+    """A real worker registers, claims (plainly and under limits) and logs its starts: the page
+    reads what it wrote, and a job it calls free is the next one to start."""
+    release = asyncio.Event()
+
+    @app.task
+    async def hold(n: int) -> int:
+        await release.wait()
+        return n
+
+    @app.task(queue="other")
+    async def elsewhere() -> None: ...
+
+    async def reasons(job_id: int) -> list[str]:
+        async with await psycopg.AsyncConnection.connect(dsn, **session_options(dsn, 5000)) as c:
+            job = await job_page.read(c, "public", job_id)
+        assert job is not None
+        return [r.code for r in job.why or ()]
+
+    def status(job_id: int) -> str | None:
+        job = app.get_job(job_id)
+        return job.status if job else None
+
+    lonely = elsewhere.enqueue()
+    first, second = hold.enqueue(n=1), hold.enqueue(n=2)
+    assert await reasons(second) == ["no_worker"]
+    async with running_worker(app, queues=["default"], concurrency=1, prefetch=0, **BEAT):
+        await wait_until_async(lambda: status(first) == "running" or status(second) == "running")
+        waiting = second if status(first) == "running" else first
+        assert await reasons(waiting) == ["workers_busy"]
+        assert await reasons(lonely) == ["no_worker_for_queue"]
+        # Limits are obeyed by the limited claim, which the worker switches to by itself.
+        app.limit_queue("default", limit=1)
+        assert await reasons(waiting) == ["queue_limit", "workers_busy"]
+        release.set()
+        await wait_until_async(lambda: status(waiting) == "succeeded")
+        # A job called free starts; the rate it used up is in the limited claim's log of starts
+        # (pgqueue_rates), and the next job waits for it.
+        app.limit_queue("default", limit=None, rate="1/h")
+        third = hold.enqueue(n=3)
+        # (No reason at all once it started: the worker can be quicker than this read.)
+        assert await reasons(third) in (["ready"], [])
+        await wait_until_async(lambda: status(third) == "succeeded")
+        fourth = hold.enqueue(n=4)
+        assert await reasons(fourth) == ["queue_rate"]
