@@ -27,7 +27,7 @@ from tests.helpers import ROOT
 DOCS = ROOT / "docs" / "dashboard.md"
 
 ROUTES = ["/", "/api/snapshot", "/api/jobs/1", "/events", "/metrics", "/health",
-          "/static/dashboard.js", "/nope"]  # fmt: skip
+          "/static/dashboard.js", "/nope", "/jobs/1", "/jobs?id=1"]  # fmt: skip
 WRITE_METHODS = ["POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
 
 

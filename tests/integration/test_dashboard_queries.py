@@ -127,7 +127,7 @@ def test_job_detail_has_the_full_error(dsn: str, conn: psycopg.Connection[Any]) 
     row = conn.execute("SELECT id FROM pgqueue_jobs WHERE status = 'dead'").fetchone()
     assert row is not None
 
-    async def go() -> job_page.Job | None:
+    async def go() -> job_page.JobPage | None:
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as c:
             return await job_page.read(c, "public", int(row[0]))
 

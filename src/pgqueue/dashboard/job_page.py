@@ -17,11 +17,8 @@ import psycopg
 
 from . import queries, why
 
-#: Parents and children listed per job; counts go up to ``COUNT_CAP`` (job_family).
+#: Parents and children listed per job (job_family counts them up to 1,001).
 FAMILY_LIMIT = 50
-COUNT_CAP = 1000
-#: Arguments, meta and results larger than this are not fetched (job_detail).
-VALUE_LIMIT = 65536
 #: The JSON API's argument preview, as before the detail page existed.
 API_ARGS_PREVIEW = 8192
 BIGINT_MAX = 2**63 - 1
@@ -43,7 +40,6 @@ class JsonValue:
 
     text: str | None
     size: int | None
-    raw: str | None = None
 
     @classmethod
     def of(cls, raw: str | None, size: int | None) -> JsonValue:
@@ -53,7 +49,7 @@ class JsonValue:
             pretty = json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
         except ValueError:  # not expected from jsonb; show it as stored
             pretty = raw
-        return cls(pretty, size, raw)
+        return cls(pretty, size)
 
     @property
     def too_large(self) -> bool:
@@ -61,7 +57,7 @@ class JsonValue:
 
 
 @dataclass
-class Job:
+class JobPage:
     row: dict[str, Any]
     late_after: float = 15.0
     parents: list[dict[str, Any]] = field(default_factory=list)
@@ -106,7 +102,7 @@ DETAIL_COLUMNS = (
 
 async def read(
     conn: psycopg.AsyncConnection[Any], schema: str, job_id: int, *, late_after: float = 15.0
-) -> Job | None:
+) -> JobPage | None:
     q = queries.statements(schema)
     async with conn.transaction():
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
@@ -114,7 +110,7 @@ async def read(
         found = await cur.fetchone()
         if found is None:
             return None
-        job = Job(dict(zip(DETAIL_COLUMNS, found, strict=True)), late_after)
+        job = JobPage(dict(zip(DETAIL_COLUMNS, found, strict=True)), late_after)
         cur = await conn.execute(q["job_family"], {"id": job_id, "limit": FAMILY_LIMIT})
         family = await cur.fetchone()
         assert family is not None
@@ -139,7 +135,7 @@ def _members(rows: list[list[Any]] | None) -> list[dict[str, Any]]:
     return [{"id": int(r[0]), "task": r[1], "status": r[2]} for r in rows or ()]
 
 
-def api(job: Job) -> dict[str, Any]:
+def api(job: JobPage) -> dict[str, Any]:
     """The JSON of /api/jobs/{id}: the fields it always had (``args`` still an 8 kB preview),
     then the rest of the page."""
     r = job.row

@@ -55,7 +55,7 @@ def reasons(row: Sequence[Any]) -> list[Reason]:
         found.append(Reason("not_due", f"{what} due in {duration(due_in)}."))
     if paused:
         found.append(Reason(
-            "paused", "Its queue is paused (`pgqueue queues resume` lets workers claim it again)."
+            "paused", 'Its queue is paused ("pgqueue queues resume" lets workers claim it again).'
         ))  # fmt: skip
     if q_limit is not None and q_running is not None and q_running >= q_limit:
         found.append(Reason("queue_limit", "Its queue " + _at_limit(q_running, q_limit)))
