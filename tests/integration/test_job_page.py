@@ -229,6 +229,10 @@ def test_a_running_job_shows_its_worker_and_whether_it_is_alive(
     body = client.get(f"/api/jobs/{job}").json()
     assert body["worker"] == str(w) and body["worker_state"] == "alive" and body["why"] is None
     assert body["lease_token"] and body["lease_expires_at"]
+    assert "cancel requested" not in client.get(f"/jobs/{job}").text
+    app.cancel(job)  # a running job: its worker is asked to stop it
+    assert client.get(f"/api/jobs/{job}").json()["cancel_requested_at"]
+    assert "cancel requested" in client.get(f"/jobs/{job}").text
     conn.execute("UPDATE pgqueue_workers SET last_heartbeat_at = now() - interval '1 minute'")
     assert client.get(f"/api/jobs/{job}").json()["worker_state"] == "late"
     conn.execute("DELETE FROM pgqueue_workers")
