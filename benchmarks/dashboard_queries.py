@@ -1,9 +1,11 @@
-"""Database time of one full dashboard refresh on a big table.
+"""Database time of one full dashboard refresh, and of one job detail page, on a big table.
 
 Builds 1,000,000 finished and 100,000 waiting jobs (plus running jobs, workers, an hour of
-per-second stats and schedules) in a scratch database, then runs every panel's statement under
-EXPLAIN ANALYZE, on a session configured like the dashboard's, and reports planning + execution
-time per statement and per refresh (medians), with and without a worker's fresh depth sample.
+per-second stats and schedules, limits and rate logs, a blocked job and a group callback with
+20,000 parents) in a scratch database, then runs every panel's statement under EXPLAIN ANALYZE,
+on a session configured like the dashboard's, and reports planning + execution time per
+statement and per refresh (medians), with and without a worker's fresh depth sample; then the
+same for the detail page's statements (/jobs/{id}) for jobs of every kind.
 
     .venv/bin/python benchmarks/dashboard_queries.py [--dsn postgresql://postgres@127.0.0.1/postgres]
 
@@ -25,7 +27,7 @@ import psycopg
 from psycopg import conninfo, sql
 
 from pgqueue import stats
-from pgqueue.dashboard import queries
+from pgqueue.dashboard import job_page, queries, why
 from pgqueue.dashboard.database import TRANSACTION_SETTINGS, Database, session_options
 from pgqueue.migrate import migrate
 from pgqueue.sql import named
@@ -76,7 +78,57 @@ BUILD = [
     """INSERT INTO pgqueue_schedules (name, cron, task, queue, next_run_at, last_run_at)
        SELECT 'schedule_' || g, '*/5 * * * *', 'task_1', 'q1', now() + interval '1 min',
               now() - interval '4 min' FROM generate_series(1, 20) g""",
+    # For the detail page's "why": a limited and rated queue and task, with their start logs.
+    """INSERT INTO pgqueue_queues (name, concurrency_limit, rate_limit, rate_period)
+       VALUES ('q1', 10, 100, 60)""",
+    """INSERT INTO pgqueue_tasks (name, concurrency_limit, rate_limit, rate_period)
+       VALUES ('task_1', 5, 50, 60)""",
+    """UPDATE pgqueue_jobs SET limit_key = '' WHERE task = 'task_1'
+       AND status IN ('queued', 'retrying', 'running')""",
+    """INSERT INTO pgqueue_rates (name, period, times, counts)
+       SELECT n, 60, ARRAY(SELECT now() - make_interval(secs => g) FROM generate_series(1, 50) g),
+              array_fill(1, ARRAY[50])
+       FROM unnest(ARRAY['q:q1', 't:6:task_1:']) AS n""",
 ]
+
+#: A blocked job after three parents (two finished), and a group's callback after 20,000
+#: waiting members: what after=, chains and groups write (migration 0015).
+WORKFLOWS = [
+    """WITH parents AS (SELECT id, row_number() OVER (ORDER BY id) AS pos FROM (
+           (SELECT id FROM pgqueue_jobs WHERE status = 'succeeded' ORDER BY id DESC LIMIT 2)
+           UNION ALL (SELECT id FROM pgqueue_jobs WHERE status = 'queued' ORDER BY id LIMIT 1)
+       ) p), child AS (
+           INSERT INTO pgqueue_jobs (queue, task, status) VALUES ('q1', 'task_1', 'blocked')
+           RETURNING id
+       ), waits AS (INSERT INTO pgqueue_job_waits (child_id, waiting) SELECT id, 1 FROM child)
+       INSERT INTO pgqueue_job_deps (parent_id, child_id, position)
+       SELECT p.id, c.id, p.pos FROM parents p, child c""",
+    """WITH members AS (SELECT id, row_number() OVER (ORDER BY id) AS pos FROM pgqueue_jobs
+                        WHERE status = 'queued' ORDER BY id DESC LIMIT 20000),
+       callback AS (
+           INSERT INTO pgqueue_jobs (queue, task, status) VALUES ('q2', 'callback', 'blocked')
+           RETURNING id
+       ), waits AS (INSERT INTO pgqueue_job_waits (child_id, waiting)
+                    SELECT id, 20000 FROM callback)
+       INSERT INTO pgqueue_job_deps (parent_id, child_id, position)
+       SELECT m.id, c.id, m.pos FROM members m, callback c""",
+    """UPDATE pgqueue_jobs SET has_children = true
+       WHERE id IN (SELECT parent_id FROM pgqueue_job_deps)""",
+]
+#: The detail page's statements (job_page.read): not part of a refresh.
+DETAIL = ("job_detail", "job_family", "job_why")
+#: Jobs whose page is measured, by what they are (job_why runs for waiting ones only).
+DETAIL_JOBS = {
+    "dead": "SELECT max(id) FROM pgqueue_jobs WHERE status = 'dead'",
+    "succeeded": "SELECT max(id) FROM pgqueue_jobs WHERE status = 'succeeded'",
+    "running": "SELECT min(id) FROM pgqueue_jobs WHERE status = 'running'",
+    "queued, limited task": "SELECT min(id) FROM pgqueue_jobs"
+    " WHERE status = 'queued' AND task = 'task_1'",
+    "retrying": "SELECT min(id) FROM pgqueue_jobs WHERE status = 'retrying'",
+    "blocked, 3 parents": "SELECT min(id) FROM pgqueue_jobs WHERE status = 'blocked'",
+    "blocked, 20,000 parents": "SELECT max(id) FROM pgqueue_jobs WHERE status = 'blocked'",
+    "a parent of 20,000's callback": "SELECT max(parent_id) FROM pgqueue_job_deps",
+}
 
 
 def params_for(name: str, job_id: int) -> dict[str, Any] | None:
@@ -88,6 +140,8 @@ def params_for(name: str, job_id: int) -> dict[str, Any] | None:
         # Steady state: the watermark is a few seconds old.
         "finished_since": {"after": "now"},
         "job_detail": {"id": job_id},
+        "job_family": {"id": job_id, "limit": job_page.FAMILY_LIMIT},
+        "job_why": {"id": job_id, "late_after": 15.0},
         "depth_sampled": {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND},
     }
     return params.get(name)
@@ -127,7 +181,7 @@ def run(dsn: str, refreshes: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn, "public")
         started = time.monotonic()
-        for step in BUILD:
+        for step in BUILD + WORKFLOWS:
             if "%(" in step:
                 escaped = re.sub(r"%(?!\()", "%%", step)
                 conn.execute(escaped, {"finished": FINISHED, "waiting": WAITING})
@@ -150,16 +204,21 @@ def run(dsn: str, refreshes: int) -> None:
                 # What a running worker does once a second.
                 conn.execute(sample_depth, {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND})
                 for name, statement in statements.items():
+                    if name in DETAIL:
+                        continue
                     ms = explain_ms(dashboard, statement, params_for(name, job_id))
                     per_statement[name].append(ms)
-                refresh = {n: v[-1] for n, v in per_statement.items() if n != "job_detail"}
+                refresh = {n: v[-1] for n, v in per_statement.items() if n not in DETAIL}
                 # With a worker running, the fresh depth sample is read and nothing is counted;
                 # with none, the sample query finds nothing and depth_count runs as well.
                 with_workers.append(sum(v for n, v in refresh.items() if n != "depth_count"))
                 without_workers.append(sum(refresh.values()))
+            pages = detail_pages(conn, dashboard, statements, refreshes)
         wall = asyncio.run(wall_clock(dsn, refreshes))
     print(f"\n{'statement':<22} {'median ms':>10} {'max ms':>8}")
     for name, values in per_statement.items():
+        if name in DETAIL:
+            continue
         print(f"{name:<22} {statistics.median(values):>10.2f} {max(values):>8.2f}")
     print(f"\nDB time of one full refresh (planning + execution of every panel's statements, "
           f"median of {refreshes}):")  # fmt: skip
@@ -169,6 +228,39 @@ def run(dsn: str, refreshes: int) -> None:
               f"(min {min(totals):.1f}, max {max(totals):.1f})")  # fmt: skip
     print(f"wall clock of one refresh from Python (queries.read, round trips included): "
           f"median {statistics.median(wall):.1f} ms")  # fmt: skip
+    print(f"\nDB time of one job detail page ({' + '.join(DETAIL)}), median of {refreshes}:")
+    print(f"  {'job':<30} {'total ms':>9} {'max':>6}   " + "  ".join(f"{n:>10}" for n in DETAIL))
+    for kind, (totals, each) in pages.items():
+        medians = "  ".join(f"{statistics.median(each[n]):>10.2f}" for n in DETAIL)
+        print(f"  {kind:<30} {statistics.median(totals):>9.2f} {max(totals):>6.2f}   {medians}")
+
+
+def detail_pages(
+    conn: psycopg.Connection[Any],
+    dashboard: psycopg.Connection[Any],
+    statements: dict[str, bytes],
+    repeats: int,
+) -> dict[str, tuple[list[float], dict[str, list[float]]]]:
+    """Each kind of job's page: the three statements' time, summed per page view."""
+    pages: dict[str, tuple[list[float], dict[str, list[float]]]] = {}
+    for kind, query in DETAIL_JOBS.items():
+        row = conn.execute(query).fetchone()
+        assert row is not None and row[0] is not None, kind
+        job_id = int(row[0])
+        status = conn.execute("SELECT status::text FROM pgqueue_jobs WHERE id = %s", (job_id,))
+        # As job_page.read: "why" only for a waiting job.
+        waiting = (status.fetchone() or ("",))[0] in why.WAITING
+        totals: list[float] = []
+        each: dict[str, list[float]] = {name: [] for name in DETAIL}
+        for _ in range(repeats):
+            for name in DETAIL:
+                ms = 0.0
+                if waiting or name != "job_why":
+                    ms = explain_ms(dashboard, statements[name], params_for(name, job_id))
+                each[name].append(ms)
+            totals.append(sum(each[name][-1] for name in DETAIL))
+        pages[kind] = (totals, each)
+    return pages
 
 
 async def wall_clock(dsn: str, refreshes: int) -> list[float]:

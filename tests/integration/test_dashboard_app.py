@@ -28,7 +28,7 @@ from tests.helpers import ROOT
 DOCS = ROOT / "docs" / "dashboard.md"
 
 ROUTES = ["/", "/api/snapshot", "/api/jobs/1", "/events", "/metrics", "/health", "/healthz",
-          "/readyz", "/static/dashboard.js", "/nope"]  # fmt: skip
+          "/readyz", "/static/dashboard.js", "/nope", "/jobs/1", "/jobs?id=1"]  # fmt: skip
 PROBES = ("/health", "/healthz", "/readyz")
 WRITE_METHODS = ["POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"]
 
@@ -319,6 +319,9 @@ def test_the_dashboard_works_as_the_documented_select_only_role(
             assert len(snap["problems"]) == 2 and len(snap["workers"]) == 2
             dead = next(p for p in snap["problems"] if p["status"] == "dead")
             assert client.get(f"/api/jobs/{dead['id']}").json()["last_error"]
+            retrying = next(p for p in snap["problems"] if p["status"] == "retrying")
+            assert client.get(f"/api/jobs/{retrying['id']}").json()["why"]
+            assert "Why isn" in client.get(f"/jobs/{retrying['id']}").text
             assert "pgqueue_jobs_finished_total" in client.get("/metrics").text
         with (
             psycopg.connect(role_dsn, autocommit=True) as as_role,

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 
 from pgqueue import stats
-from pgqueue.dashboard import queries
+from pgqueue.dashboard import job_page, queries
 from pgqueue.dashboard.database import Database
 from tests.dashboard_data import WORKER_LATE, WORKER_OK, plant, planted_retries_in_the_minute_to
 
@@ -136,17 +136,17 @@ def test_job_detail_has_the_full_error(dsn: str, conn: psycopg.Connection[Any]) 
     row = conn.execute("SELECT id FROM pgqueue_jobs WHERE status = 'dead'").fetchone()
     assert row is not None
 
-    async def go() -> dict[str, Any] | None:
+    async def go() -> job_page.JobPage | None:
         database = Database(dsn)
         try:
             async with database.session() as c:
-                return await queries.job_detail(c, "public", int(row[0]))
+                return await job_page.read(c, "public", int(row[0]))
         finally:
             await database.close()
 
     detail = asyncio.run(go())
-    assert detail is not None and detail["last_error"].endswith("END-OF-TRACEBACK")
-    assert detail["status"] == "dead"
+    assert detail is not None and detail.row["last_error"].endswith("END-OF-TRACEBACK")
+    assert detail.row["status"] == "dead" and detail.why is None
 
 
 def test_current_depth_comes_from_a_fresh_worker_sample_else_from_a_count(

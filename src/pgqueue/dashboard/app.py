@@ -6,22 +6,30 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from .. import __version__
 from ..db import validate_schema
-from . import queries
+from . import humanize, job_page
 from .database import Database
 from .metrics import exposition, registry_for
 from .refresh import Refresher
@@ -32,6 +40,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 #: SSE comment lines keep proxies from closing an idle stream.
 KEEPALIVE_SECONDS = 15.0
 NO_STORE = {"Cache-Control": "no-store"}
+log = logging.getLogger("pgqueue.dashboard")
 
 
 def create_app(
@@ -61,6 +70,7 @@ def create_app(
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True, auto_reload=False
     )
+    env.globals["humanize"] = humanize
     templates = Jinja2Templates(env=env)
 
     async def index(request: Request) -> Response:
@@ -76,17 +86,49 @@ def create_app(
         return Response(body, media_type="application/json", headers=NO_STORE)
 
     async def job(request: Request) -> Response:
-        job_id = int(request.path_params["job_id"])
+        job_id = job_page.parse_job_id(request.path_params["job_id"])
+        if job_id is None:
+            return JSONResponse({"error": "not a job id"}, status_code=400, headers=NO_STORE)
         try:
             async with database.session() as conn:
-                detail = await queries.job_detail(conn, schema, job_id)
+                found = await job_page.read(conn, schema, job_id, late_after=late_heartbeat_seconds)
         except Exception:
             return JSONResponse(
                 {"error": "database unavailable"}, status_code=503, headers=NO_STORE
             )
-        if detail is None:
+        if found is None:
             return JSONResponse({"error": "no such job"}, status_code=404, headers=NO_STORE)
-        return JSONResponse(detail, headers=NO_STORE)
+        return JSONResponse(job_page.api(found), headers=NO_STORE)
+
+    def job_html(request: Request, status_code: int, **context: Any) -> Response:
+        return templates.TemplateResponse(
+            request, "job.html", {"version": __version__, **context},
+            status_code=status_code, headers=NO_STORE,
+        )  # fmt: skip
+
+    async def job_detail(request: Request) -> Response:
+        typed = request.path_params["job_id"]
+        job_id = job_page.parse_job_id(typed)
+        if job_id is None:
+            return job_html(request, 400, problem="bad_id", typed=typed)
+        try:
+            async with database.session() as conn:
+                found = await job_page.read(conn, schema, job_id, late_after=late_heartbeat_seconds)
+        except Exception as exc:
+            log.warning("job %s could not be read: %s", job_id, exc)
+            return job_html(request, 503, problem="unavailable", job_id=job_id)
+        if found is None:
+            return job_html(request, 404, problem="not_found", job_id=job_id)
+        return job_html(request, 200, job=found, job_id=job_id)
+
+    async def job_search(request: Request) -> Response:
+        """The header's search box: a plain GET form, so it works without the script."""
+        typed = request.query_params.get("id", "")
+        job_id = job_page.parse_job_id(typed)
+        if job_id is None:
+            return job_html(request, 400, problem="bad_id", typed=typed)
+        url = request.url_for("job_detail", job_id=str(job_id))
+        return RedirectResponse(url.path, status_code=303, headers=NO_STORE)
 
     async def events(request: Request) -> Response:
         async def stream() -> AsyncIterator[bytes]:
@@ -144,7 +186,9 @@ def create_app(
     routes = [
         Route("/", index, methods=get),
         Route("/api/snapshot", snapshot, methods=get),
-        Route("/api/jobs/{job_id:int}", job, methods=get),
+        Route("/api/jobs/{job_id}", job, methods=get),
+        Route("/jobs", job_search, methods=get, name="job_search"),
+        Route("/jobs/{job_id}", job_detail, methods=get, name="job_detail"),
         Route("/events", events, methods=get),
         Route("/metrics", metrics, methods=get),
         Route("/health", health, methods=get),

@@ -116,23 +116,3 @@ async def finished_since(
     until = (await _all(conn, q["settled_until"]))[0][0]
     rows = await _all(conn, q["finished_since"], {"after": after or datetime.min})
     return until, rows
-
-
-async def job_detail(
-    conn: psycopg.AsyncConnection[Any], schema: str, job_id: int
-) -> dict[str, Any] | None:
-    rows = await _all(conn, statements(schema)["job_detail"], {"id": job_id})
-    if not rows:
-        return None
-    r = rows[0]
-    return {
-        "id": r[0], "task": r[1], "queue": r[2], "status": r[3], "attempts": r[4],
-        "max_attempts": r[5], "priority": r[6], "args": r[7], "last_error": r[8],
-        "created_at": _iso(r[9]), "run_at": _iso(r[10]), "claimed_at": _iso(r[11]),
-        "finished_at": _iso(r[12]), "worker": r[13], "meta": r[14], "progress": r[15],
-        "cancel_requested_at": _iso(r[16]),
-    }  # fmt: skip
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None

@@ -196,13 +196,107 @@ GROUP BY s.queue
 SELECT date_trunc('second', now()) - interval '2 seconds'
 
 -- name: job_detail
--- One job for the problem details; arguments still cut to a preview (8 kB).
-SELECT id, task, queue, status::text, attempts, max_attempts, priority,
-       CASE WHEN pg_column_size(args) <= 65536 THEN left(args::text, 8192)
-            ELSE '… ' || pg_column_size(args) || ' bytes' END,
-       left(last_error, 65536),
-       created_at, run_at, claimed_at, finished_at, worker_id::text,
-       CASE WHEN pg_column_size(meta) <= 65536 THEN meta END, progress,
-       cancel_requested_at
-FROM {schema}.pgqueue_jobs
-WHERE id = %(id)s
+-- One job by primary key (/jobs/{{id}} and /api/jobs/{{id}}), with its worker and its schedule, one
+-- primary-key probe each. Values over 64 kB (pg_column_size, so a large toasted value is not
+-- even fetched) come back NULL with their size; the error is cut to 64 kB. The worker's row is
+-- gone once the job finished (acks clear worker_id) or its worker was pruned.
+SELECT j.id, j.task, j.queue, j.status::text, j.attempts, j.max_attempts, j.priority,
+       CASE WHEN pg_column_size(j.args) <= 65536 THEN j.args::text END, pg_column_size(j.args),
+       left(j.last_error, 65536), length(j.last_error),
+       j.created_at, j.run_at, j.claimed_at, j.started_at, j.finished_at, j.worker_id::text,
+       CASE WHEN pg_column_size(j.meta) <= 65536 THEN j.meta::text END, pg_column_size(j.meta),
+       j.progress,
+       CASE WHEN pg_column_size(j.result) <= 65536 THEN j.result::text END,
+       pg_column_size(j.result),
+       j.cancel_requested_at, j.lease_token::text,
+       COALESCE(j.lease_expires_at, w.lease_expires_at), j.schedule_name, j.schedule_tick, s.cron,
+       j.unique_key, j.limit_key, w.host, w.pid,
+       extract(epoch FROM now() - w.last_heartbeat_at)::float8, w.lease_expires_at > now(), now()
+FROM {schema}.pgqueue_jobs j
+LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
+LEFT JOIN {schema}.pgqueue_schedules s ON s.name = j.schedule_name
+WHERE j.id = %(id)s
+
+-- name: job_family
+-- The jobs this one runs after (parents, in their after= order: the child index) and the jobs
+-- that run after it (children: the primary key's parent_id prefix), the first %(limit)s of each
+-- with task and status (primary-key probes), and how many of each, counted up to 1,001 so
+-- that a group's callback with 100,000 parents costs a bounded index-only read. A parent
+-- pruned since (succeeded past the retention window) has no status.
+SELECT (SELECT count(*) FROM (SELECT FROM {schema}.pgqueue_job_deps
+                              WHERE child_id = %(id)s LIMIT 1001) n)::int,
+       (SELECT count(*) FROM (SELECT FROM {schema}.pgqueue_job_deps
+                              WHERE parent_id = %(id)s LIMIT 1001) n)::int,
+       (SELECT jsonb_agg(jsonb_build_array(d.parent_id, j.task, j.status) ORDER BY d.position,
+                         d.parent_id)
+        FROM (SELECT parent_id, position FROM {schema}.pgqueue_job_deps WHERE child_id = %(id)s
+              ORDER BY position, parent_id LIMIT %(limit)s) d
+        LEFT JOIN {schema}.pgqueue_jobs j ON j.id = d.parent_id),
+       (SELECT jsonb_agg(jsonb_build_array(d.child_id, j.task, j.status) ORDER BY d.child_id)
+        FROM (SELECT child_id FROM {schema}.pgqueue_job_deps WHERE parent_id = %(id)s
+              ORDER BY child_id LIMIT %(limit)s) d
+        LEFT JOIN {schema}.pgqueue_jobs j ON j.id = d.child_id)
+
+-- name: job_why
+-- Why a waiting job is not running (dashboard/why.py reads the figures): everything the claims
+-- check, for this one job. Live workers are those the dashboard does not show as late, with a
+-- lease if they have one (claims need it); the queues they serve are pgqueue_workers.queues
+-- (NULL: every queue). Running jobs are read once, from the running partial index (bounded by
+-- the fleet's concurrency): leases held per serving worker, and the queue's running count when
+-- it has a limit. The task's group count is one probe of pgqueue_jobs_running_limited_idx;
+-- queue, task, wait and rate-log rows are primary-key probes. A blocked job's unfinished
+-- parents: its count from pgqueue_job_waits, and the first 10 of its first 1,000 parents.
+WITH job AS (
+    SELECT j.id, j.queue, j.task, j.status::text AS status, j.run_at, j.limit_key
+    FROM {schema}.pgqueue_jobs j WHERE j.id = %(id)s
+), live AS (
+    SELECT w.id, w.queues, w.concurrency FROM {schema}.pgqueue_workers w
+    WHERE w.last_heartbeat_at >= now() - make_interval(secs => %(late_after)s)
+      AND (w.lease_expires_at IS NULL OR w.lease_expires_at > now())
+), running AS MATERIALIZED (
+    SELECT r.worker_id, r.queue FROM {schema}.pgqueue_jobs r WHERE r.status = 'running'
+), serving AS (
+    SELECT l.id, l.concurrency, COALESCE(h.n, 0) AS held
+    FROM live l JOIN job ON l.queues IS NULL OR job.queue = ANY(l.queues)
+    LEFT JOIN (SELECT worker_id, count(*) AS n FROM running GROUP BY worker_id) h
+           ON h.worker_id = l.id
+)
+SELECT job.status, extract(epoch FROM job.run_at - now())::float8,
+       (SELECT count(*) FROM live)::int,
+       ARRAY(SELECT DISTINCT q FROM live, unnest(live.queues) AS q ORDER BY q),
+       (SELECT count(*) FROM serving)::int,
+       (SELECT COALESCE(sum(concurrency), 0) FROM serving)::int,
+       (SELECT COALESCE(sum(least(held, concurrency)), 0) FROM serving)::int,
+       COALESCE(q.paused, false), q.concurrency_limit, q.rate_limit, q.rate_period,
+       CASE WHEN q.concurrency_limit IS NOT NULL
+            THEN (SELECT count(*) FROM running r WHERE r.queue = job.queue)::int END,
+       CASE WHEN q.rate_limit IS NOT NULL THEN
+           (SELECT jsonb_build_array(sum(x.c),
+                   extract(epoch FROM min(x.at) + make_interval(secs => q.rate_period) - now()))
+            FROM {schema}.pgqueue_rates rt, unnest(rt.times, rt.counts) AS x(at, c)
+            WHERE rt.name = 'q:' || job.queue
+              AND x.at > now() - make_interval(secs => q.rate_period)) END,
+       t.concurrency_limit, t.rate_limit, t.rate_period, t.per_key, job.limit_key,
+       CASE WHEN t.concurrency_limit IS NOT NULL AND job.limit_key IS NOT NULL
+            THEN (SELECT count(*) FROM {schema}.pgqueue_jobs r
+                  WHERE r.status = 'running' AND r.task = job.task
+                        AND r.limit_key = job.limit_key)::int END,
+       CASE WHEN t.rate_limit IS NOT NULL AND job.limit_key IS NOT NULL THEN
+           (SELECT jsonb_build_array(sum(x.c),
+                   extract(epoch FROM min(x.at) + make_interval(secs => t.rate_period) - now()))
+            FROM {schema}.pgqueue_rates rt, unnest(rt.times, rt.counts) AS x(at, c)
+            WHERE rt.name = 't:' || length(job.task) || ':' || job.task || ':' || job.limit_key
+              AND x.at > now() - make_interval(secs => t.rate_period)) END,
+       wt.waiting, wt.failed_parent, wt.after_failure,
+       CASE WHEN job.status = 'blocked' THEN
+           (SELECT jsonb_agg(jsonb_build_array(u.id, u.task, u.status) ORDER BY u.position, u.id)
+            FROM (SELECT p.id, p.task, p.status::text AS status, d.position
+                  FROM (SELECT parent_id, position FROM {schema}.pgqueue_job_deps
+                        WHERE child_id = job.id ORDER BY position, parent_id LIMIT 1000) d
+                  JOIN {schema}.pgqueue_jobs p ON p.id = d.parent_id
+                  WHERE p.status::text NOT IN ('succeeded', 'dead', 'cancelled')
+                  ORDER BY d.position, p.id LIMIT 10) u) END
+FROM job
+LEFT JOIN {schema}.pgqueue_queues q ON q.name = job.queue
+LEFT JOIN {schema}.pgqueue_tasks t ON t.name = job.task
+LEFT JOIN {schema}.pgqueue_job_waits wt ON wt.child_id = job.id

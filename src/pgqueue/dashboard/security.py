@@ -1,7 +1,7 @@
 """The dashboard's guards, each a plain ASGI middleware testable alone.
 
 - ``SecurityHeaders``: a strict CSP (scripts and styles from this origin only, no inline code,
-  no framing) and the usual hardening headers, on every response; ``Cache-Control: no-store``
+  no framing, forms submit to this origin only: the one form is the GET job search) and the usual hardening headers, on every response; ``Cache-Control: no-store``
   on every response but static files (errors included: a cached 503 or 401 would outlive
   its cause, and figures must never come from a cache).
 - ``ReadOnlyMethods``: GET and HEAD only; anything else is 405 before routing or auth, which
@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; font-src 'self'; manifest-src 'self'; base-uri 'none'; "
-    "form-action 'none'; frame-ancestors 'none'"
+    "form-action 'self'; frame-ancestors 'none'"
 )
 HEADERS = {
     "Content-Security-Policy": CSP,

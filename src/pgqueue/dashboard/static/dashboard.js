@@ -33,6 +33,9 @@
   }
   function cell(text, cls) { return el("td", cls, text); }
   function emptyRow(cols, text) { const tr = el("tr", "empty-row"); const td = cell(text); td.colSpan = cols; tr.append(td); return tr; }
+  // A job id that opens its detail page (/jobs/{id}; relative, so a prefix in front still works).
+  function jobLink(id) { const a = el("a", "job-link", "#" + id); a.href = "jobs/" + encodeURIComponent(id); return a; }
+  function jobCell(id) { const td = cell("", "num"); td.append(jobLink(id)); return td; }
   function setText(id, text) { const node = $(id); if (node.textContent !== text) node.textContent = text; }
 
   // --- connection state ------------------------------------------------------------------
@@ -286,7 +289,9 @@
       seen.add(key);
       const li = el("li", !first && !state.seenFeed.has(key) ? "new" : "");
       li.append(el("span", "ev " + e.event, e.event));
-      li.append(el("span", "what", "#" + e.id + " " + e.task + " · " + e.queue + (e.attempt > 1 ? " · attempt " + e.attempt : "")));
+      const what = el("span", "what");
+      what.append(jobLink(e.id), " " + e.task + " · " + e.queue + (e.attempt > 1 ? " · attempt " + e.attempt : ""));
+      li.append(what);
       const ago = el("span", "ago");
       ago.dataset.at = String(e.at);
       li.append(ago);
@@ -331,7 +336,7 @@
       if (r.parents || r.children) task.append(family(r));
       const running = cell("", "num running-for"); running.dataset.base = String(r.running_for);
       const lease = cell("", "num lease"); lease.dataset.base = String(r.lease_left);
-      tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), cell(shortId(r.worker), "mono"),
+      tr.append(jobCell(r.id), task, queueCell(r.queue), cell(shortId(r.worker), "mono"),
         cell(r.attempt + " / " + r.max_attempts, "num"), running, lease);
       return tr;
     }));
@@ -371,7 +376,7 @@
     if (state.openErrors.has(r.id)) { details.open = true; pre.textContent = state.fullErrors.get(r.id) || ""; }
     const errorCell = cell(""); errorCell.append(details);
     const when = cell(r.status === "dead" ? fmtAgo(-r.when) : r.when > 0 ? "retry in " + fmtSeconds(r.when) : "retry due now", "num");
-    tr.append(cell("#" + r.id, "num"), task, queueCell(r.queue), attempts, errorCell, when);
+    tr.append(jobCell(r.id), task, queueCell(r.queue), attempts, errorCell, when);
     return tr;
   }
 
