@@ -1,7 +1,7 @@
 """The job detail page and the job search in headless Chromium: what a user clicks through.
 
-The fixtures are the main page's (a served dashboard; a tab that fails the test on any console
-error, CSP violation or dialog).
+The fixtures are the main page's (tests/browser/conftest.py: a served dashboard; a tab that
+fails the test on any console error, CSP violation or dialog).
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import psycopg
 from playwright.sync_api import Page, expect
 
 import pgqueue
-from tests.browser.test_dashboard_browser import _open, base_url, browser, page, served
+from tests.browser.conftest import _open
 from tests.dashboard_data import XSS, plant
-
-__all__ = ["base_url", "browser", "page", "served"]  # fixtures used here by name
 
 Conn = psycopg.Connection[Any]
 
