@@ -266,16 +266,26 @@ class _Counter:
 
 
 class _Call:
-    __slots__ = ("event", "nominated", "outcome", "row", "since", "taken")
+    __slots__ = ("nominated", "outcome", "row", "signalled", "since", "taken", "wake")
 
     def __init__(self, row: JobRow) -> None:
         self.row = row
         self.since = time.monotonic()
-        self.event = threading.Event()
         self.outcome: Outcome | None = None
         self.taken = False
         #: Woken by a batch that ended: it may start the next at once, window or not.
         self.nominated = False
+        # A bare lock, held until the call is woken: a wait is one acquire in C, where an Event
+        # (a Condition written in Python) allocates a lock and takes two more per wait.
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.signalled = False
+
+    def signal(self) -> None:
+        """Wake the caller's thread (under the batcher's lock; repeated wakes count once)."""
+        if not self.signalled:
+            self.signalled = True
+            self.wake.release()
 
 
 class SyncBatcher:
@@ -291,23 +301,34 @@ class SyncBatcher:
 
     def submit(self, row: JobRow) -> Enqueued:
         call = _Call(row)
-        with self._lock:
-            self._pending.append(call)
+        queued = woken = False
         while True:
             calls: list[_Call] | None = None
             timeout: float | None = None
             with self._lock:
+                if not queued:
+                    self._pending.append(call)
+                    queued = True
+                if call.signalled:  # take the wake, so the next one can be given
+                    if not woken:
+                        call.wake.acquire(blocking=False)
+                    call.signalled = False
                 if call.outcome is not None:
-                    return _raise(call.outcome)
+                    break
                 if not call.taken and self._may_start(call):
                     calls = self._start()
                 else:
                     timeout = self._timeout(call)
-                    call.event.clear()
-            if calls is None:
-                call.event.wait(timeout)
-            else:
+            if calls is not None:
                 self._lead(calls)
+                woken = False
+                continue
+            woken = call.wake.acquire(timeout=-1 if timeout is None else timeout)
+            # Set before the wake: read without taking the lock the other callers contend for.
+            if woken and call.outcome is not None:
+                break
+        assert call.outcome is not None
+        return _raise(call.outcome)
 
     def _may_start(self, call: _Call) -> bool:
         if self._in_flight >= MAX_IN_FLIGHT:
@@ -327,7 +348,7 @@ class SyncBatcher:
             c.taken = True
         self._in_flight += 1
         if self._pending:  # the new oldest watches the window from now
-            self._pending[0].event.set()
+            self._pending[0].signal()
         return calls
 
     def _lead(self, calls: list[_Call]) -> None:
@@ -341,11 +362,11 @@ class SyncBatcher:
                     outcomes = [_interrupted() for _ in calls]
                 for c, outcome in zip(calls, outcomes, strict=True):
                     c.outcome = outcome
-                    c.event.set()
+                    c.signal()
                 self._in_flight -= 1
                 if self._pending:
                     self._pending[0].nominated = True
-                    self._pending[0].event.set()
+                    self._pending[0].signal()
 
     def close(self) -> None:
         """Calls not yet in a batch fail, saying nothing was written; batches being written
@@ -354,7 +375,7 @@ class SyncBatcher:
             while self._pending:
                 call = self._pending.popleft()
                 call.outcome = _closed()
-                call.event.set()
+                call.signal()
 
 
 # --- async: each batch is a task of the loop ------------------------------------------------
@@ -396,6 +417,9 @@ class AsyncBatcher:
 
     def _schedule(self, *, freed: bool) -> None:
         """Start a batch if one may start now, else make sure the window's end is watched."""
+        # A caller cancelled before its job was sent has given up on it: it is not written.
+        while self._pending and self._pending[0].future.done():
+            self._pending.popleft()
         if self._starting or not self._pending or self._in_flight >= MAX_IN_FLIGHT:
             return
         if self._in_flight and not freed:
@@ -420,10 +444,11 @@ class AsyncBatcher:
 
     async def _flush(self) -> None:
         self._starting = False
-        # A caller cancelled before its job was sent has given up on it: it is not written.
-        while self._pending and self._pending[0].future.done():
-            self._pending.popleft()
-        calls = _take(self._pending, self.settings) if self._pending else []
+        calls = (
+            [c for c in _take(self._pending, self.settings) if not c.future.done()]
+            if self._pending
+            else []
+        )
         self._schedule(freed=False)
         outcomes: list[Outcome] | None = None
         try:
@@ -513,6 +538,11 @@ class Coalescer:
                     batcher.loop.call_soon_threadsafe(batcher.close)
 
     def _write(self, rows: list[JobRow]) -> list[Outcome]:
+        if len(rows) == 1:  # alone: the usual statement, cheaper than a batch's arrays
+            try:
+                return [self._sync_pool().run(self._single(rows[0]))]
+            except Exception as exc:
+                return [exc]
         batch = Batch(rows)
         try:
             pool = self._sync_pool()
@@ -537,6 +567,12 @@ class Coalescer:
 
     async def _write_async(self, rows: list[JobRow]) -> list[Outcome]:
         """``_write`` for async code."""
+        if len(rows) == 1:
+            try:
+                pool = await self._async_pool()
+                return [await pool.run(self._single_async(rows[0]))]
+            except Exception as exc:
+                return [exc]
         batch = Batch(rows)
         try:
             pool = await self._async_pool()

@@ -1,0 +1,174 @@
+"""The coalescing producer: jobs/s and call latency of many concurrent producers enqueueing single
+jobs, with ``App(coalesce=True)`` and without, side by side in one run.
+
+    .venv/bin/python -m benchmarks.coalesce --dsn postgresql://...   # or no --dsn: a throwaway server
+
+Each repetition runs every case once, coalescing off then on (interleaved, so a noisy neighbour
+hits both alike), on a freshly truncated table; the table shows the median of the repetitions.
+Cases: ``--producers`` coroutines on one event loop (``enqueue_async``), the same number of
+threads (``enqueue``), and one producer alone (what coalescing costs a lone call: its latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+
+import pgqueue
+from pgqueue.embedded import EmbeddedPostgres
+
+ARGS = {"payload": "x" * 64}
+
+
+def _reset(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE pgqueue_jobs")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+class Result:
+    def __init__(self, jobs: int, seconds: float, latencies: list[float], batches: int) -> None:
+        self.rate = jobs / seconds
+        self.p50 = _percentile(latencies, 0.50) * 1000
+        self.p99 = _percentile(latencies, 0.99) * 1000
+        self.per_batch = jobs / batches if batches else 1.0
+
+
+def _batches(app: pgqueue.App) -> int:
+    return app.coalesce_stats.batches if app.coalesce_stats else 0
+
+
+Timing = tuple[float, list[float], int]
+
+
+def run_async(app: pgqueue.App, producers: int, per_producer: int) -> Timing:
+    """Seconds, each call's latency, and the batches written, of the timed part."""
+    latencies: list[float] = []
+
+    async def produce(p: int) -> None:
+        for i in range(per_producer):
+            start = time.perf_counter()
+            await app.enqueue_async("bench", {"p": p, "i": i, **ARGS}, allow_unknown=True)
+            latencies.append(time.perf_counter() - start)
+
+    async def main() -> Timing:
+        # Open the loop's pool outside the timing: as many connections as the run will use.
+        await asyncio.gather(
+            *(app.enqueue_async("warm", {}, allow_unknown=True) for _ in range(producers))
+        )
+        batches = _batches(app)
+        start = time.perf_counter()
+        await asyncio.gather(*(produce(p) for p in range(producers)))
+        return time.perf_counter() - start, latencies, _batches(app) - batches
+
+    return asyncio.run(main())
+
+
+def run_threads(app: pgqueue.App, producers: int, per_producer: int) -> Timing:
+    latencies: list[list[float]] = [[] for _ in range(producers)]
+    barrier = threading.Barrier(producers + 1)
+
+    def produce(p: int) -> None:
+        app.enqueue("warm", {}, allow_unknown=True)
+        barrier.wait()
+        mine = latencies[p]
+        for i in range(per_producer):
+            start = time.perf_counter()
+            app.enqueue("bench", {"p": p, "i": i, **ARGS}, allow_unknown=True)
+            mine.append(time.perf_counter() - start)
+        barrier.wait()
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    batches = _batches(app)
+    start = time.perf_counter()
+    barrier.wait()
+    seconds = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    return seconds, [x for mine in latencies for x in mine], _batches(app) - batches
+
+
+Runner = Callable[[pgqueue.App, int, int], Timing]
+
+
+def measure(dsn: str, coalesce: bool, run: Runner, producers: int, jobs: int) -> Result:
+    _reset(dsn)
+    app = pgqueue.App(dsn, coalesce=coalesce)
+    try:
+        per_producer = max(jobs // producers, 1)
+        seconds, latencies, batches = run(app, producers, per_producer)
+        return Result(per_producer * producers, seconds, latencies, batches)
+    finally:
+        app.close()
+
+
+def bench(dsn: str, producers: int, jobs: int, reps: int) -> None:
+    with pgqueue.App(dsn) as app:
+        app.migrate()
+    cases: list[tuple[str, Runner, int, int]] = [
+        (f"{producers} coroutines, enqueue_async", run_async, producers, jobs),
+        (f"{producers} threads, enqueue", run_threads, producers, jobs),
+        ("1 producer alone, enqueue", run_threads, 1, max(jobs // 10, 200)),
+    ]
+    results: dict[tuple[str, bool], list[Result]] = {}
+    for rep in range(reps):
+        for name, run, count, total in cases:
+            for coalesce in (False, True):
+                result = measure(dsn, coalesce, run, count, total)
+                results.setdefault((name, coalesce), []).append(result)
+                print(
+                    f"  rep {rep + 1}/{reps} {name:<34} coalesce={'on ' if coalesce else 'off'}"
+                    f" {result.rate:>9,.0f} jobs/s  p50 {result.p50:6.2f} ms"
+                    f"  p99 {result.p99:7.2f} ms  {result.per_batch:6.1f} jobs/batch",
+                    flush=True,
+                )
+    print()
+    print(f"medians of {reps} interleaved repetitions ({platform.node()}, {os.cpu_count()} CPUs)")
+    header = f"{'case':<34} {'coalesce':>8} {'jobs/s':>10} {'p50 ms':>8} {'p99 ms':>8}"
+    print(header + f" {'jobs/batch':>10} {'speed-up':>9}")
+    for name, *_ in cases:
+        rates = {}
+        for coalesce in (False, True):
+            rs = results[(name, coalesce)]
+            rates[coalesce] = statistics.median(r.rate for r in rs)
+            ratio = f"{rates[True] / rates[False]:.1f}x" if coalesce else ""
+            print(
+                f"{name:<34} {'on' if coalesce else 'off':>8} {rates[coalesce]:>10,.0f}"
+                f" {statistics.median(r.p50 for r in rs):>8.2f}"
+                f" {statistics.median(r.p99 for r in rs):>8.2f}"
+                f" {statistics.median(r.per_batch for r in rs):>10.1f} {ratio:>9}"
+            )
+    _reset(dsn)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dsn", help="a database where pgqueue may create its tables")
+    parser.add_argument("--producers", type=int, default=100, help="concurrent producers")
+    parser.add_argument("--jobs", type=int, default=20_000, help="jobs per run")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (the median is shown)")
+    options = parser.parse_args()
+    if options.dsn:
+        bench(options.dsn, options.producers, options.jobs, options.reps)
+        return
+    with EmbeddedPostgres() as server:
+        bench(server.dsn, options.producers, options.jobs, options.reps)
+
+
+if __name__ == "__main__":
+    main()
