@@ -4,7 +4,9 @@ jobs, with ``App(coalesce=True)`` and without, side by side in one run.
     .venv/bin/python -m benchmarks.coalesce --dsn postgresql://...   # or no --dsn: a throwaway server
 
 Each repetition runs every case once, coalescing off then on (interleaved, so a noisy neighbour
-hits both alike), on a freshly truncated table; the table shows the median of the repetitions.
+hits both alike), on a freshly truncated table; the table shows the median of the repetitions,
+and the speed-up is the median of each repetition's on / off ratio (paired: the two runs of a
+repetition shared the machine's load), with the lowest and highest.
 Cases: ``--producers`` coroutines on one event loop (``enqueue_async``), the same number of
 threads (``enqueue``), and one producer alone (what coalescing costs a lone call: its latency).
 """
@@ -43,6 +45,8 @@ class Result:
         self.rate = jobs / seconds
         self.p50 = _percentile(latencies, 0.50) * 1000
         self.p99 = _percentile(latencies, 0.99) * 1000
+        self.mean = statistics.fmean(latencies) * 1000
+        self.max = max(latencies) * 1000
         self.per_batch = jobs / batches if batches else 1.0
 
 
@@ -134,24 +138,35 @@ def bench(dsn: str, producers: int, jobs: int, reps: int) -> None:
                 print(
                     f"  rep {rep + 1}/{reps} {name:<34} coalesce={'on ' if coalesce else 'off'}"
                     f" {result.rate:>9,.0f} jobs/s  p50 {result.p50:6.2f} ms"
-                    f"  p99 {result.p99:7.2f} ms  {result.per_batch:6.1f} jobs/batch",
+                    f"  p99 {result.p99:7.2f} ms  mean {result.mean:7.2f} ms  max {result.max:7.1f} ms"
+                    f"  {result.per_batch:6.1f} jobs/batch",
                     flush=True,
                 )
     print()
     print(f"medians of {reps} interleaved repetitions ({platform.node()}, {os.cpu_count()} CPUs)")
-    header = f"{'case':<34} {'coalesce':>8} {'jobs/s':>10} {'p50 ms':>8} {'p99 ms':>8}"
-    print(header + f" {'jobs/batch':>10} {'speed-up':>9}")
+    header = (
+        f"{'case':<34} {'coalesce':>8} {'jobs/s':>10} {'p50 ms':>8} {'p99 ms':>8}"
+        f" {'mean ms':>8} {'max ms':>8}"
+    )
+    print(header + f" {'jobs/batch':>10} {'speed-up (lowest-highest)':>26}")
     for name, *_ in cases:
-        rates = {}
+        pairs = zip(results[(name, False)], results[(name, True)], strict=True)
+        ratios = [on.rate / off.rate for off, on in pairs]
         for coalesce in (False, True):
             rs = results[(name, coalesce)]
-            rates[coalesce] = statistics.median(r.rate for r in rs)
-            ratio = f"{rates[True] / rates[False]:.1f}x" if coalesce else ""
+            speedup = (
+                f"{statistics.median(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f})"
+                if coalesce
+                else ""
+            )
             print(
-                f"{name:<34} {'on' if coalesce else 'off':>8} {rates[coalesce]:>10,.0f}"
+                f"{name:<34} {'on' if coalesce else 'off':>8}"
+                f" {statistics.median(r.rate for r in rs):>10,.0f}"
                 f" {statistics.median(r.p50 for r in rs):>8.2f}"
                 f" {statistics.median(r.p99 for r in rs):>8.2f}"
-                f" {statistics.median(r.per_batch for r in rs):>10.1f} {ratio:>9}"
+                f" {statistics.median(r.mean for r in rs):>8.2f}"
+                f" {statistics.median(r.max for r in rs):>8.1f}"
+                f" {statistics.median(r.per_batch for r in rs):>10.1f} {speedup:>26}"
             )
     _reset(dsn)
 
