@@ -11,8 +11,9 @@ once, each on its own pooled connection), and a batch takes ``coalesce_max`` job
 Each caller gets its own answer only once its row is committed: its id, ``duplicate`` for a
 unique job as if the calls had been made one after the other (a repeat of a key within a batch
 is answered with the first one's job), or its own error. A job refused by its checks fails in
-its caller before it is queued here. A batch is one autocommit statement, so it commits as a
-whole or not at all: a lost connection reaches every caller of the batch not yet answered as
+its caller before it is queued here. A batch is one autocommit statement (and, for unique keys
+whose job no longer holds them, rarely one more for those jobs), so it commits as a whole or
+not at all: a lost connection reaches every caller of the batch not yet answered as
 ``DatabaseUnavailableError`` (their jobs may or may not have been written, as for a single
 call), and any other database error, after which nothing of the statement was written, sends
 each of its jobs again alone, so an error is reported only to the caller whose job causes it.
@@ -174,7 +175,7 @@ class Batch:
             if isinstance(outcome, Enqueued):
                 self.outcomes[i] = Enqueued(outcome.id, duplicate=True)
             elif outcome is not None:
-                self.outcomes[i] = outcome
+                self.outcomes[i] = _copy(outcome)
 
     def unanswered(self) -> list[int]:
         return [i for i, outcome in enumerate(self.outcomes) if outcome is None]
@@ -207,6 +208,13 @@ async def write_async(conn: psycopg.AsyncConnection[Any], q: Queries, batch: Bat
             return
         await conn.execute(q.release_unique_keys, batch.released_keys())
     batch.give_up()
+
+
+def _refused(exc: psycopg.Error) -> bool:
+    """Whether the statement certainly wrote nothing: the server answered it with an error
+    (a lost connection is DatabaseUnavailableError by then), or psycopg refused it before
+    sending. Otherwise the batch's fate is unknown and no job of it may be sent again."""
+    return exc.sqlstate is not None or not isinstance(exc, psycopg.OperationalError)
 
 
 def _copy(error: BaseException) -> BaseException:
@@ -547,15 +555,16 @@ class Coalescer:
         try:
             pool = self._sync_pool()
             pool.run(lambda conn: write(conn, self.q, batch))
-        except psycopg.Error:
-            # Nothing of the failed statement was written: its jobs go again one by one, in
+        except psycopg.Error as exc:
+            # Nothing of the refused statement was written: its jobs go again one by one, in
             # order, so only the job at fault fails, in its own caller.
             batch.settle_repeats()
-            for i in batch.unanswered():
+            for i in batch.unanswered() if _refused(exc) else ():
                 try:
                     batch.outcomes[i] = pool.run(self._single(rows[i]))
-                except Exception as exc:
-                    batch.outcomes[i] = exc
+                except Exception as error:
+                    batch.outcomes[i] = error
+            batch.fail(exc)  # what was not refused may have been written: never sent again
         except Exception as exc:  # DatabaseUnavailableError: these jobs' fate is unknown
             batch.settle_repeats()
             batch.fail(exc)
@@ -577,13 +586,14 @@ class Coalescer:
         try:
             pool = await self._async_pool()
             await pool.run(lambda conn: write_async(conn, self.q, batch))
-        except psycopg.Error:
+        except psycopg.Error as exc:
             batch.settle_repeats()
-            for i in batch.unanswered():
+            for i in batch.unanswered() if _refused(exc) else ():
                 try:
                     batch.outcomes[i] = await pool.run(self._single_async(rows[i]))
-                except Exception as exc:
-                    batch.outcomes[i] = exc
+                except Exception as error:
+                    batch.outcomes[i] = error
+            batch.fail(exc)
         except Exception as exc:
             batch.settle_repeats()
             batch.fail(exc)

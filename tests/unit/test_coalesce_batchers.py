@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
+import psycopg
 import pytest
 
 from pgqueue import DatabaseUnavailableError, InvalidJobError
@@ -15,6 +17,7 @@ from pgqueue import coalesce as coalescing
 from pgqueue.coalesce import AsyncBatcher, Outcome, Settings, SyncBatcher, _Counter
 from pgqueue.jobs import Enqueued
 from pgqueue.producer import JobRow
+from pgqueue.sql import queries
 from tests.helpers import wait_until
 
 
@@ -172,3 +175,44 @@ def test_an_interrupted_batch_answers_its_other_callers() -> None:
     assert isinstance(outcomes[other], DatabaseUnavailableError)
     assert "may or may not have been written" in str(outcomes[other])
     assert batcher.submit(row(4)) == 4  # the batcher goes on
+
+
+class FailingPool:
+    """A pool whose first statement fails with ``error``; the next ones answer job ids."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.statements = 0
+
+    def run(self, statement: object, *, read_only: bool = False) -> Enqueued:
+        self.statements += 1
+        if self.statements == 1:
+            raise self.error
+        return Enqueued(100 + self.statements)
+
+
+def coalescer_on(pool: FailingPool) -> coalescing.Coalescer:
+    async def no_async_pool() -> Any:
+        raise AssertionError("not used")
+
+    return coalescing.Coalescer(
+        Settings(0.002, 25), queries("public"), lambda: cast(Any, pool), no_async_pool
+    )
+
+
+def test_a_batch_the_server_refused_is_sent_again_job_by_job() -> None:
+    pool = FailingPool(psycopg.errors.RaiseException("refused"))
+    outcomes = coalescer_on(pool)._write([row(1), row(2), row(3)])
+    assert outcomes == [102, 103, 104] and pool.statements == 4
+
+
+@pytest.mark.parametrize(
+    "error",
+    [psycopg.OperationalError("no answer from the server"), DatabaseUnavailableError("lost")],
+)
+def test_a_batch_whose_fate_is_unknown_is_never_sent_again(error: Exception) -> None:
+    pool = FailingPool(error)
+    outcomes = coalescer_on(pool)._write([row(1), row(2), row(3)])
+    assert pool.statements == 1
+    assert all(type(o) is type(error) and str(o) == str(error) for o in outcomes)
+    assert len({id(o) for o in outcomes}) == 3  # each caller raises its own
