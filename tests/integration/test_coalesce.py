@@ -125,6 +125,39 @@ def test_a_lone_call_is_written_at_once_in_a_batch_of_its_own(
     assert stats(capp) == CoalesceStats(batches=1, jobs=1)
 
 
+async def test_a_stuck_batch_holds_the_next_calls_up_only_for_the_window(
+    capp: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    with key_held(capp, dsn, "blocked"):
+        stuck = asyncio.ensure_future(
+            capp.enqueue_async("note", {}, unique_key="blocked", allow_unknown=True)
+        )
+        await wait_until_async(lambda: lock_waiters(conn) == 1)
+        later = await asyncio.wait_for(
+            asyncio.gather(
+                *(capp.enqueue_async("note", {"i": i}, allow_unknown=True) for i in range(10))
+            ),
+            30,
+        )
+        assert not stuck.done()  # still waiting for the key: the others went beside it
+        assert sorted(job_args(conn)) == sorted(later)
+    assert not (await asyncio.wait_for(stuck, 30)).duplicate
+
+
+def test_a_stuck_batch_holds_the_next_threads_up_only_for_the_window(
+    capp: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    # The pool outside: leaving the block releases the key before waiting for the threads.
+    with ThreadPoolExecutor(11) as pool, key_held(capp, dsn, "blocked"):
+        stuck = pool.submit(capp.enqueue, "note", {}, unique_key="blocked", allow_unknown=True)
+        wait_until(lambda: lock_waiters(conn) == 1, what="the first batch waits for the key")
+        later = [pool.submit(capp.enqueue, "note", {"i": i}, allow_unknown=True) for i in range(10)]
+        ids = [f.result(timeout=30) for f in later]
+        assert not stuck.done()
+        assert sorted(job_args(conn)) == sorted(ids)
+    assert not stuck.result(timeout=30).duplicate
+
+
 # --- unique jobs: each caller's answer as if the calls came in turn ----------------------------
 
 
