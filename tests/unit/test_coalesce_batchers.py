@@ -18,7 +18,7 @@ from pgqueue.coalesce import AsyncBatcher, Outcome, Settings, SyncBatcher, _Coun
 from pgqueue.jobs import Enqueued
 from pgqueue.producer import JobRow
 from pgqueue.sql import queries
-from tests.helpers import wait_until
+from tests.helpers import wait_until, wait_until_async
 
 
 def row(n: int) -> JobRow:
@@ -119,13 +119,13 @@ async def test_a_cancelled_caller_s_job_is_not_sent() -> None:
         await gate.wait()
         return answer(rows)
 
-    batcher = AsyncBatcher(Settings(0.5, 25), write, _Counter(), asyncio.get_running_loop())
+    # The window is long: the two later calls wait for the first batch, not beside it.
+    batcher = AsyncBatcher(Settings(1.0, 25), write, _Counter(), asyncio.get_running_loop())
     first = asyncio.ensure_future(batcher.submit(row(1)))
-    while not sent:  # the first batch is being written
-        await asyncio.sleep(0)
+    await wait_until_async(lambda: sent)  # the first batch is being written
     second = asyncio.ensure_future(batcher.submit(row(2)))
     third = asyncio.ensure_future(batcher.submit(row(3)))
-    await asyncio.sleep(0)
+    await wait_until_async(lambda: len(batcher._pending) == 2)
     second.cancel()
     gate.set()
     assert await first == 1 and await third == 3
