@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
 
 import psycopg
 
+from . import coalesce as coalescing
 from . import (
     connections,
     db,
@@ -109,7 +110,15 @@ class App:
         backoff: Backoff | None = None,
         prepared_statements: bool | None = None,
         middleware: Iterable[hooks.Middleware] = (),
+        coalesce: bool = False,
+        coalesce_window: float = coalescing.DEFAULT_WINDOW,
+        coalesce_max: int = coalescing.DEFAULT_MAX,
     ) -> None:
+        """``coalesce``: ``enqueue`` and ``enqueue_async`` calls made at the same time outside a
+        caller's transaction share one INSERT and one commit, for more jobs/s under load; a
+        call waits for the batch being written (``coalesce_window`` seconds at most before
+        another starts) and a batch holds ``coalesce_max`` jobs at most. Off by default; see
+        docs/concepts/coalescing.md for what it changes."""
         self._dsn = dsn
         #: Wraps every attempt, outermost first (``@app.middleware``; see pgqueue.hooks).
         self.middleware_stack: list[hooks.Middleware] = [
@@ -141,6 +150,15 @@ class App:
         self._pool: pools.Pool | None = None
         self._pool_lock = threading.Lock()
         self._loop_pools = pools.LoopPools(self._connection_settings)
+        settings = coalescing.Settings.of(coalesce_window, coalesce_max)
+        if not isinstance(coalesce, bool):
+            raise ConfigurationError(f"coalesce must be True or False, got {coalesce!r}")
+        #: The coalescing producer, with ``coalesce=True`` (pgqueue.coalesce).
+        self._coalescer = (
+            coalescing.Coalescer(settings, self.q, self._sync_pool, self._async_pool)
+            if coalesce
+            else None
+        )
         self.periodic_schedules: dict[str, Schedule] = {}
         self.retired_schedules: set[str] = set()
 
@@ -332,6 +350,12 @@ class App:
     # --- connections ----------------------------------------------------------------------
 
     @property
+    def coalesce_stats(self) -> coalescing.CoalesceStats | None:
+        """Jobs and statements written by the coalescing producer so far (None without
+        ``coalesce``): jobs / batches is the average batch."""
+        return None if self._coalescer is None else self._coalescer.stats
+
+    @property
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments for every connection pgqueue opens for this app."""
         return {} if self.prepared_statements else {"prepare_threshold": None}
@@ -356,7 +380,11 @@ class App:
 
     def close(self) -> None:
         """Close every producer connection of this app, sync and async (those in use as they
-        are given back). The app stays usable: the next call connects again."""
+        are given back). The app stays usable: the next call connects again. With ``coalesce``,
+        calls still waiting for their batch fail (nothing of theirs was written); batches
+        being written end as usual."""
+        if self._coalescer is not None:
+            self._coalescer.close()
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -482,6 +510,8 @@ class App:
         SQLAlchemy session on the psycopg driver), the job exists only if that transaction
         commits. For a unique job (the task's ``unique``, or
         ``unique_key``/``unique=`` here) the id may be an existing job's: ``.duplicate`` says so.
+        With ``App(coalesce=True)`` and no ``connection``, the job may share one INSERT and
+        commit with other calls made at the same time; it returns once that commit is done.
 
         Raises InvalidJobError (nothing written) for a bad job, and DatabaseUnavailableError
         when PostgreSQL cannot be reached or the connection is lost during the INSERT (the
@@ -506,6 +536,8 @@ class App:
         row = workflows.with_parents(row, after, after_failure)
         if connection is not None:
             return producer.insert(connections.sync_connection(connection), self.q, row)
+        if self._coalescer is not None and coalescing.batchable(row):
+            return self._coalescer.enqueue(row)
         return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
 
     @_published_async("enqueue")
@@ -551,6 +583,8 @@ class App:
         if connection is not None:
             conn = await connections.async_connection(connection)
             return await producer.insert_async(conn, self.q, row)
+        if self._coalescer is not None and coalescing.batchable(row):
+            return await self._coalescer.enqueue_async(row)
         pool = await self._async_pool()
         return await pool.run(lambda conn: producer.insert_async(conn, self.q, row))
 

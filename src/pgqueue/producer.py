@@ -413,7 +413,7 @@ def _no_answer_text(key: str) -> str:
     )
 
 
-def _no_answer(row: JobRow) -> InvalidJobError:
+def no_answer(row: JobRow) -> InvalidJobError:
     return InvalidJobError(_no_answer_text(str(row.unique_key)))
 
 
@@ -437,7 +437,7 @@ def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enqueued:
         if record is not None:
             return Enqueued(record[0], record[1], record[2])
         conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
-    raise _no_answer(row)
+    raise no_answer(row)
 
 
 async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobRow) -> Enqueued:
@@ -457,7 +457,7 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobR
         if record is not None:
             return Enqueued(record[0], record[1], record[2])
         await conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
-    raise _no_answer(row)
+    raise no_answer(row)
 
 
 def _copy_text(rows: Sequence[JobRow], clock: BatchClock) -> str:

@@ -156,6 +156,40 @@ WHERE j.status IN ('queued', 'retrying')
            AND j.finished_at + make_interval(secs => j.unique_for) > now())
 RETURNING j.unique_key, j.xmax = 0
 
+-- name: insert_coalesced_jobs
+-- Many callers' single jobs in one autocommit statement (the coalescing producer,
+-- pgqueue.coalesce): every row of it commits or none does, in one round trip and one commit.
+-- Plain jobs and unique jobs with on_conflict 'keep' only (the producer sends the others alone).
+-- run_at and the limit group per row as in insert_job: the database clock, and '' for a task
+-- limited in the database. Unique rows go first, in key order, so two batches sharing keys lock
+-- them in the same order and cannot deadlock (keys are distinct within a batch: the producer
+-- answers a repeat with the first's job, as if sent in turn). Plain rows follow in the callers'
+-- order and draw their ids row by row, so sorted, their ids are the callers' in order (as in
+-- insert_group_members). A key held by a job the rule of insert_unique_job still holds for
+-- answers that job; a key whose job no longer holds it answers nothing (released, sent again).
+-- RETURNING: the id, the key (NULL for a plain job), and whether the job already existed.
+INSERT INTO {schema}.pgqueue_jobs AS j
+    (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
+     limit_key, meta)
+SELECT d.queue, d.task, d.args::jsonb, d.priority,
+       COALESCE(d.run_at, now() + make_interval(secs => d.delay)), d.max_attempts,
+       d.unique_key, d.unique_while, d.unique_for,
+       COALESCE(d.limit_key, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = d.task)),
+       d.meta::jsonb
+FROM unnest(%(queues)b::text[], %(tasks)b::text[], %(args)b::text[], %(priorities)b::int[],
+            %(run_ats)b::timestamptz[], %(delays)b::float8[], %(max_attempts)b::int[],
+            %(keys)b::text[], %(whiles)b::text[], %(fors)b::float8[], %(limit_keys)b::text[],
+            %(metas)b::text[]) WITH ORDINALITY
+     AS d(queue, task, args, priority, run_at, delay, max_attempts, unique_key, unique_while,
+          unique_for, limit_key, meta, ord)
+ORDER BY d.unique_key, d.ord
+ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE SET args = j.args
+WHERE j.status IN ('queued', 'retrying')
+       OR (j.status = 'running' AND j.unique_while IS NOT DISTINCT FROM 'active')
+       OR (j.status = 'succeeded' AND j.unique_for IS NOT NULL
+           AND j.finished_at + make_interval(secs => j.unique_for) > now())
+RETURNING j.id, j.unique_key, j.xmax <> 0
+
 -- name: release_unique_keys
 -- Keys whose job no longer holds them (the rule of insert_unique_job, negated) are cleared, so
 -- the next insert can take them. The job itself is untouched. One index probe per key.

@@ -118,6 +118,7 @@ class Queries:
     parent_results: bytes
     insert_unique_job: bytes
     insert_unique_jobs: bytes
+    insert_coalesced_jobs: bytes
     release_unique_keys: bytes
     copy_jobs: bytes
     database_now: bytes

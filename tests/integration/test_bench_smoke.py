@@ -111,3 +111,18 @@ def test_bench_finds_the_postmaster_every_time(pg_server: Server) -> None:
         pytest.skip("the server under PGQUEUE_TEST_DSN may not be on this machine")
     expected = int((pg_server.cluster.datadir / "postmaster.pid").read_text().split()[0])
     assert [find_postmaster(pg_server.admin_dsn) for _ in range(30)] == [expected] * 30
+
+
+@pytest.mark.slow
+def test_bench_coalesce_compares_coalescing_on_and_off_in_pairs(
+    pg_server: Server, tmp_path: Path
+) -> None:
+    out = bench(pg_server, tmp_path, "--quick", "--reps", "1", "--only", "coalesce", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert set(report["runs"]["coalesce"]) == {"pgqueue"}  # the peers and variants do not run it
+    (run,) = report["runs"]["coalesce"]["pgqueue"]
+    assert run["rate"] > 0 and run["off_rate"] > 0
+    assert run["speedup"] == pytest.approx(run["rate"] / run["off_rate"])
+    assert 0 < run["p50"] <= run["p99"] and 0 < run["off_p50"] <= run["off_p99"]
+    assert run["per_batch"] >= 1

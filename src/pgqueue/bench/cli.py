@@ -49,8 +49,8 @@ def bench_command(
     logs: Path | None,
 ) -> None:
     """Measure enqueue, processing, pickup latency, steady state, depth, claims beside delayed
-    jobs and drains under limits (with --peers: side by side with the peers, interleaved,
-    medians of 3)."""
+    jobs, drains under limits and the coalescing producer (with --peers: side by side with the
+    peers, interleaved, medians of 3)."""
     try:
         from rich.console import Console
     except ImportError:

@@ -94,6 +94,16 @@ LIMITS = [
       for metric in CPU),
 ]  # fmt: skip
 LATENCY = [Metric(p, f"{p} ms", "{:.2f}", LOWER) for p in ("p50", "p95", "p99")]
+COALESCE = [
+    Metric("rate", "jobs/s, coalescing on", "{:,.0f}", HIGHER),
+    Metric("off_rate", "jobs/s, coalescing off", "{:,.0f}", HIGHER),
+    Metric("speedup", "on / off (median of the pairs)", "{:.1f}x", HIGHER),
+    Metric("p50", "call p50 ms, on", "{:.2f}", LOWER),
+    Metric("off_p50", "call p50 ms, off", "{:.2f}", LOWER),
+    Metric("p99", "call p99 ms, on", "{:.2f}", LOWER),
+    Metric("off_p99", "call p99 ms, off", "{:.2f}", LOWER),
+    Metric("per_batch", "jobs per INSERT, on", "{:.1f}", HIGHER),
+]
 STEADY = [
     Metric("first_third", "done/s, first third", "{:,.0f}", HIGHER),
     Metric("last_third", "done/s, last third", "{:,.0f}", HIGHER),
@@ -122,6 +132,7 @@ class Plan:
     latency_jobs: int
     poll_interval: float = 0.25
     ceiling_seconds: int = 10
+    coalesce_jobs: int = 20_000
     only: set[str] = field(default_factory=set)
 
     @classmethod
@@ -130,7 +141,7 @@ class Plan:
             return cls(quick, reps or 3, steady_seconds=10, steady_rate=1000, depth_waiting=10_000,
                        depth_finished=100_000, delayed_ready=10_000, delayed_jobs=200_000,
                        processing_jobs=10_000, io_jobs=5_000, single_jobs=600, bulk_jobs=20_000,
-                       latency_jobs=60, ceiling_seconds=5)  # fmt: skip
+                       latency_jobs=60, ceiling_seconds=5, coalesce_jobs=5_000)  # fmt: skip
         return cls(quick, reps or 3, steady_seconds=60, steady_rate=2000, depth_waiting=100_000,
                    depth_finished=1_000_000, delayed_ready=100_000, delayed_jobs=1_000_000,
                    processing_jobs=30_000, io_jobs=15_000, single_jobs=2_000, bulk_jobs=50_000,
@@ -178,6 +189,10 @@ class Plan:
                      f"processing {p.processing_jobs:,} no-op jobs under limits, 1 worker, "
                      "concurrency 100", LIMITS,
                      lambda c, s: w.limits(c, s, p.processing_jobs, 100), systems="pgqueue"),
+            Workload("coalesce",
+                     "100 coroutines enqueueing single jobs: App(coalesce=True) against without",
+                     COALESCE, lambda c, s: w.coalesce(c, s, 100, p.coalesce_jobs),
+                     systems="pgqueue"),
         ]  # fmt: skip
         if self.only:
             items = [i for i in items if i.key in self.only]

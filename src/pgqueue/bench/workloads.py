@@ -195,6 +195,28 @@ async def depth(
     return {**result, "empty_rate": empty["rate"], "vs_empty": result["rate"] / empty["rate"]}
 
 
+def _coalesce_pair(dsn: str, producers: int, jobs: int) -> dict[str, float]:
+    from . import producers as timed
+
+    off = timed.measure(dsn, False, timed.run_async, producers, jobs)
+    on = timed.measure(dsn, True, timed.run_async, producers, jobs)
+    return {
+        "rate": on.rate, "off_rate": off.rate, "speedup": on.rate / off.rate,
+        "p50": on.p50, "off_p50": off.p50, "p99": on.p99, "off_p99": off.p99,
+        "per_batch": on.per_batch,
+    }  # fmt: skip
+
+
+async def coalesce(ctx: Context, system: System, producers: int, jobs: int) -> dict[str, float]:
+    """``producers`` coroutines enqueueing single jobs on one event loop, with
+    ``App(coalesce=True)`` and without, one right after the other in one fresh database: the
+    pair shares the machine's load, so its ratio is the figure to read (pgqueue only)."""
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        # In a thread: each run has an event loop of its own, as an application would.
+        return await asyncio.to_thread(_coalesce_pair, dsn, producers, jobs)
+
+
 #: Jobs due later, all of one priority above the jobs being drained (the default, 0), due an
 #: hour or more from now, as ``enqueue_many(..., delay=...)`` would leave them. Written by one
 #: INSERT: a million jobs through the producer would add ~15 s to every repetition.
