@@ -172,7 +172,7 @@ async def read(
         queue_pickup=queue_pickup,
         heads=heads,
         dead=dead,
-        oldest_transaction=tuple(activity[1:]) if activity[1] is not None else None,
+        oldest_transaction=tuple(activity[1]) if activity[1] is not None else None,
         hidden_sessions=int(activity[0]),
         tuples=(int(counter[0][1]), int(counter[0][2]), counter[0][3]) if counter else None,
     )

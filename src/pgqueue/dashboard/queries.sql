@@ -237,23 +237,20 @@ WHERE q.rate_limit IS NOT NULL AND x.at > now() - make_interval(secs => q.rate_p
 GROUP BY q.name, q.rate_period
 
 -- name: oldest_transaction
--- The oldest transaction of this database that holds back vacuum (it has a snapshot or an xid)
--- and is older than the threshold; its xmin keeps every dead row newer than it, in the jobs
--- table too. And how many sessions here this role may not see (no pg_read_all_stats: their
--- rows read '<insufficient privilege>' with no times). pg_stat_activity is in memory.
-SELECT (SELECT count(*) FROM pg_stat_activity
-        WHERE datname = current_database() AND query = '<insufficient privilege>')::int,
-       a.pid, a.application_name, a.state, extract(epoch FROM now() - a.xact_start)::float8,
-       extract(epoch FROM now() - a.query_start)::float8, left(a.query, 200),
-       age(a.backend_xmin)
-FROM (SELECT) one
-LEFT JOIN LATERAL (
-    SELECT * FROM pg_stat_activity a
-    WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
-      AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
-      AND a.xact_start < now() - make_interval(secs => %(older_than)s)
-    ORDER BY a.xact_start LIMIT 1
-) a ON true
+-- How many sessions of this database this role may not see (without pg_read_all_stats, other
+-- roles' rows read '<insufficient privilege>', with no times), and the oldest transaction here
+-- older than the threshold that holds back vacuum (it has a snapshot or an xid): every dead row
+-- newer than its xmin stays, in the jobs table too. One pass over pg_stat_activity, in memory.
+SELECT count(*) FILTER (WHERE a.query = '<insufficient privilege>')::int,
+       (array_agg(jsonb_build_array(a.pid, a.application_name, a.state,
+                  extract(epoch FROM now() - a.xact_start)::float8,
+                  extract(epoch FROM now() - a.query_start)::float8, left(a.query, 200),
+                  age(a.backend_xmin)) ORDER BY a.xact_start)
+        FILTER (WHERE a.pid <> pg_backend_pid()
+                  AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+                  AND a.xact_start < now() - make_interval(secs => %(older_than)s)))[1]
+FROM pg_stat_activity a
+WHERE a.datname = current_database()
 
 -- name: insert_counter
 -- Cumulative inserts into the jobs table (statistics, no table scan), for the INSERT arrow's rate;
