@@ -126,15 +126,17 @@ def test_a_queue_with_waiting_jobs_and_nothing_running_says_why(
     )
     conn.execute("INSERT INTO pgqueue_queues (name, concurrency_limit) VALUES ('capped', 0)")
     _open(page, base_url)
-    why = page.locator("#queues td.why")
-    expect(page.locator("#queues tr[data-queue='orphan'] td.why")).to_have_text(
+    why = page.locator("#queues td.queue-why")
+    expect(page.locator("#queues tr[data-queue='orphan'] td.queue-why")).to_have_text(
         "No live worker serves it (they serve: capped, later, other)."
     )
     expect(page.locator("#queues tr[data-queue='orphan'] td.none")).to_have_text("none")
     later = page.locator("#queues tr[data-queue='later']")
-    expect(later.locator("td.why")).to_contain_text("All its jobs are due later: the next in 2m")
+    expect(later.locator("td.queue-why")).to_contain_text(
+        "All its jobs are due later: the next in 2m"
+    )
     expect(later.locator("td").nth(7)).to_contain_text("next in 2m")
     capped = page.locator("#queues tr[data-queue='capped']")
-    expect(capped.locator("td.why")).to_contain_text("concurrency limit of 0")
+    expect(capped.locator("td.queue-why")).to_contain_text("concurrency limit of 0")
     expect(capped.locator(".pill.limited")).to_have_text("limit 0")
     expect(why).to_have_count(3)

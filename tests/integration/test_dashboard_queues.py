@@ -8,9 +8,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from psycopg import conninfo, sql
 
 from pgqueue.dashboard import queries
+from pgqueue.dashboard.cli import dashboard_command
 from pgqueue.dashboard.database import Database
 from pgqueue.dashboard.refresh import Refresher
 from tests.dashboard_data import WORKER_OK, plant
@@ -179,3 +181,10 @@ def test_a_role_that_may_not_read_the_rate_logs_or_other_sessions_still_gets_the
     finally:
         conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
         conn.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+def test_the_cli_refuses_nonsense_health_thresholds(dsn: str) -> None:
+    for option in ("--long-transaction", "--dead-tuples"):
+        result = CliRunner().invoke(dashboard_command, ["--dsn", dsn, option, "0"])
+        assert result.exit_code == 2 and "thresholds must be positive" in result.output
+        assert "Traceback" not in result.output

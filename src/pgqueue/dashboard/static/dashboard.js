@@ -507,7 +507,7 @@
       const ids = r.workers.slice(0, 3).map(shortId).join(", ") + (r.workers.length > 3 ? ", …" : "");
       const workers = cell(r.workers.length ? r.workers.length + " · " + ids : "none", r.workers.length || !waiting ? "mono" : "mono none");
       workers.title = r.workers.join("\n");
-      const why = cell(r.why ? r.why.text : "", "why");
+      const why = cell(r.why ? r.why.text : "", "queue-why");
       if (r.why) why.dataset.code = r.why.code;
       tr.append(name, cell(fmtInt(r.queued), "num"), cell(fmtInt(r.running), "num"), cell(fmtInt(r.retrying), "num"),
         cell(fmtInt(r.dead), "num" + (r.dead ? " dead" : "")), cell(fmtRate(r.rate), "num"),
