@@ -142,7 +142,8 @@ async def read(
     settings = {str(r[0]): QueueSetting(bool(r[1]), r[2], r[3], r[4]) for r in rows}
     if rows and rows[0][5] and any(s.rate is not None for s in settings.values()):
         for name, used, room_in in await _all(conn, q["queue_rates"]):
-            settings[str(name)].used = [used, room_in]
+            if (setting := settings.get(str(name))) is not None:  # past the first 1,000: none
+                setting.used = [used, room_in]
     paused = [name for name, s in settings.items() if s.paused]
     moved = dead is None or int(dead_total) != dead.total
     if moved and (
