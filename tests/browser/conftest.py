@@ -3,12 +3,14 @@ dashboard on the test's own database."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import uvicorn
@@ -55,10 +57,11 @@ class Served:
         return refresher
 
 
-@pytest.fixture
-def served(dsn: str) -> Iterator[Served]:
+@contextlib.contextmanager
+def serving(dsn: str, **options: Any) -> Iterator[Served]:
+    """A live dashboard on a free port; ``options`` go to ``create_app``."""
     port = _free_port()
-    app = create_app(dsn, refresh_interval=0.3)
+    app = create_app(dsn, **{"refresh_interval": 0.3, **options})
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=1, lifespan="on")  # fmt: skip
     server = uvicorn.Server(config)
@@ -68,9 +71,17 @@ def served(dsn: str) -> Iterator[Served]:
     while not server.started:
         assert time.monotonic() < deadline, "dashboard did not start"
         time.sleep(0.02)
-    yield Served(f"http://127.0.0.1:{port}", app)
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield Served(f"http://127.0.0.1:{port}", app)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def served(dsn: str) -> Iterator[Served]:
+    with serving(dsn) as live:
+        yield live
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from typing import Any
 
 from pgqueue import stats
 from pgqueue.dashboard import figures
@@ -151,3 +152,53 @@ def test_one_publish_reaches_every_listener() -> None:
 
     results = asyncio.run(scenario())
     assert results[:10] == [b"snapshot-1"] * 10 and results[10] is None
+
+
+def _worker(**fields: Any) -> dict[str, Any]:
+    base = {"id": "w", "host": "h", "pid": 1, "queues": None, "concurrency": 4, "leases": 0,
+            "heartbeat_age": 1.0, "late": False, "live": True, "lease": 30.0}  # fmt: skip
+    return {**base, **fields}
+
+
+def test_the_health_strip_warns_of_dead_rows_past_the_ratio_and_the_minimum() -> None:
+    def dead_rows(live: int, dead: int) -> Any:
+        return figures.health(
+            oldest_transaction=None, hidden_sessions=0, tuples=(live, dead, 12.0), workers=[],
+            dead_tuple_ratio=0.2, dead_tuple_minimum=10_000, late_after=15.0,
+        )["dead_rows"]  # fmt: skip
+
+    assert dead_rows(100_000, 19_000) is None  # under 20 %
+    assert dead_rows(10_000, 9_000) is None  # under the minimum
+    assert dead_rows(100_000, 25_000) == {"live": 100_000, "dead": 25_000, "vacuumed_ago": 12.0}
+
+
+def test_a_worker_is_behind_when_two_of_its_heartbeat_intervals_passed() -> None:
+    """Workers record their lease, not their interval: the default interval is lease / 3."""
+    workers = [
+        _worker(id="ok", heartbeat_age=19.0),  # lease 30 s: a beat every 10 s, 20 s is late
+        _worker(id="behind", heartbeat_age=21.0),
+        _worker(id="no-lease", lease=None, heartbeat_age=14.0),  # then --late-after counts
+        _worker(id="no-lease-late", lease=None, heartbeat_age=16.0),
+    ]
+    found = figures.health(
+        oldest_transaction=None, hidden_sessions=0, tuples=None, workers=workers,
+        dead_tuple_ratio=0.2, dead_tuple_minimum=10_000, late_after=15.0,
+    )  # fmt: skip
+    assert [w["id"] for w in found["workers"]] == ["behind", "no-lease-late"]
+    assert found["workers"][0]["interval"] == 10.0
+    assert found["transaction"] is None and found["dead_rows"] is None
+
+
+def test_a_queue_whose_serving_workers_are_all_full_says_so() -> None:
+    rows = figures.queue_table(
+        {"q": {"queued": 3, "retrying": 0, "running": 0}}, dead={}, finished={}, pickup={},
+        heads={"q": 5.0}, settings={},
+        workers=[_worker(leases=4, concurrency=4), _worker(queues=["other"])],
+    )  # fmt: skip
+    assert rows[0]["why"]["code"] == "workers_busy"
+    assert "4 slots" in rows[0]["why"]["text"]
+    free = figures.queue_table(
+        {"q": {"queued": 3, "retrying": 0, "running": 0}}, dead={}, finished={}, pickup={},
+        heads={"q": 5.0}, settings={}, workers=[_worker()],
+    )  # fmt: skip
+    assert free[0]["why"]["code"] == "ready"

@@ -53,19 +53,26 @@ def create_app(
     late_heartbeat_seconds: float = 15.0,
     statement_timeout_ms: int = 5000,
     ready_timeout: float = 2.0,
+    long_transaction_seconds: float = 300.0,
+    dead_tuple_ratio: float = 0.2,
 ) -> Starlette:
     """The dashboard app. ``allowed_hosts`` defaults to loopback names (a guard against DNS
     rebinding); ``late_heartbeat_seconds`` is when a worker's heartbeat counts as late;
-    ``ready_timeout`` bounds ``/readyz``'s look at the database."""
+    ``ready_timeout`` bounds ``/readyz``'s look at the database. The health strip warns of a
+    transaction holding back vacuum for ``long_transaction_seconds`` and of dead rows in the
+    jobs table past ``dead_tuple_ratio`` of the live ones."""
     schema = validate_schema(schema)
     if not refresh_interval > 0:
         raise ValueError("the refresh interval must be a positive number of seconds")
     if not late_heartbeat_seconds > 0:
         raise ValueError("the late-heartbeat threshold must be a positive number of seconds")
+    if not long_transaction_seconds > 0 or not dead_tuple_ratio > 0:
+        raise ValueError("the health strip's thresholds must be positive numbers")
     database = Database(dsn, statement_timeout_ms=statement_timeout_ms)
     refresher = Refresher(
-        database, schema, interval=refresh_interval, late_after=late_heartbeat_seconds
-    )
+        database, schema, interval=refresh_interval, late_after=late_heartbeat_seconds,
+        long_transaction=long_transaction_seconds, dead_tuple_ratio=dead_tuple_ratio,
+    )  # fmt: skip
     registry = registry_for(refresher)
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True, auto_reload=False
@@ -231,6 +238,8 @@ def serve(
     allowed_hosts: Sequence[str] | None = None,
     refresh_interval: float = 1.0,
     late_heartbeat_seconds: float = 15.0,
+    long_transaction_seconds: float = 300.0,
+    dead_tuple_ratio: float = 0.2,
     log_level: str = "info",
 ) -> None:
     """Run the dashboard with uvicorn. A non-loopback bind without auth is refused unless
@@ -248,6 +257,7 @@ def serve(
     app = create_app(
         dsn, schema, refresh_interval=refresh_interval, basic_auth=basic_auth,
         allowed_hosts=allowed_hosts, late_heartbeat_seconds=late_heartbeat_seconds,
+        long_transaction_seconds=long_transaction_seconds, dead_tuple_ratio=dead_tuple_ratio,
     )  # fmt: skip
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
 

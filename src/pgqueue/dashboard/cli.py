@@ -32,6 +32,15 @@ from .app import PublicBindError, serve
     help="Seconds without a heartbeat before a worker shows as late; keep it above the "
     "workers' heartbeat interval (lease / 3 by default, 10 s).",
 )  # fmt: skip
+@click.option(
+    "--long-transaction", default=300.0, show_default=True, type=float,
+    help="Seconds a transaction may hold back vacuum before the page warns of it.",
+)  # fmt: skip
+@click.option(
+    "--dead-tuples", default=0.2, show_default=True, type=float,
+    help="Warn when pgqueue_jobs has more dead rows than this share of its live ones "
+    "(and at least 10,000).",
+)  # fmt: skip
 def dashboard_command(
     host: str,
     port: int,
@@ -43,6 +52,8 @@ def dashboard_command(
     allowed_hosts: tuple[str, ...],
     refresh: float,
     late_after: float,
+    long_transaction: float,
+    dead_tuples: float,
 ) -> None:
     """Serve the read-only live dashboard."""
     if bool(username) != bool(password):
@@ -56,7 +67,8 @@ def dashboard_command(
         serve(
             resolved, schema, host, port, basic_auth=auth, allow_public=allow_public,
             allowed_hosts=list(allowed_hosts) or None, refresh_interval=refresh,
-            late_heartbeat_seconds=late_after,
+            late_heartbeat_seconds=late_after, long_transaction_seconds=long_transaction,
+            dead_tuple_ratio=dead_tuples,
         )  # fmt: skip
     except (PublicBindError, ConfigurationError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .. import stats
+from .why import queue_reasons
 
 WINDOW = 120
 RATE_WINDOW = 10
@@ -126,6 +127,8 @@ def depth_series(
 
 def worker_row(row: Sequence[Any], late_after: float) -> dict[str, Any]:
     age = float(row[6])
+    lease = float(row[9]) if len(row) > 9 and row[9] is not None else None
+    lease_left = float(row[10]) if len(row) > 10 and row[10] is not None else None
     return {
         "id": row[0],
         "host": row[1],
@@ -137,4 +140,109 @@ def worker_row(row: Sequence[Any], late_after: float) -> dict[str, Any]:
         "stale_writes": int(row[7]),
         "leases": int(row[8]),
         "late": age > late_after,
+        "lease": lease,
+        # What a claim needs (queries.sql, job_why): a recent heartbeat and a lease in force.
+        "live": age <= late_after and (lease_left is None or lease_left > 0),
+    }
+
+
+def serves(worker: Mapping[str, Any], queue: str) -> bool:
+    """A worker with no queue list serves every queue."""
+    return worker["queues"] is None or queue in worker["queues"]
+
+
+def queue_table(
+    depth: Mapping[str, Mapping[str, int]],
+    *,
+    dead: Mapping[str, int],
+    finished: Mapping[str, int],
+    pickup: Mapping[str, Mapping[int, int]],
+    heads: Mapping[str, float],
+    settings: Mapping[str, Any],
+    workers: Sequence[Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """One row per queue that has jobs, dead jobs, recent throughput or an operator's setting.
+    ``oldest`` is how long its oldest due job has waited (negative: none is due yet, the next
+    is due in that long); ``workers`` are the live workers that serve it (their ids)."""
+    names = sorted(set(depth) | set(dead) | set(finished) | set(settings))
+    rows = []
+    for q in names:
+        counts = depth.get(q, {})
+        queued, retrying = counts.get("queued", 0), counts.get("retrying", 0)
+        running = counts.get("running", 0)
+        setting = settings.get(q)
+        serving = [w for w in workers if w["live"] and serves(w, q)]
+        oldest = heads.get(q) if queued + retrying else None
+        row: dict[str, Any] = {
+            "queue": q,
+            "queued": queued,
+            "retrying": retrying,
+            "running": running,
+            "dead": dead.get(q, 0),
+            "rate": finished.get(q, 0) / RATE_WINDOW,
+            "pickup_p95": stats.percentile(dict(pickup.get(q, {})), 0.95),
+            "oldest": oldest,
+            "workers": [w["id"] for w in serving],
+            "paused": bool(setting and setting.paused),
+            "limit": setting.limit if setting else None,
+            "rate_limit": setting.rate if setting else None,
+            "rate_period": setting.period if setting else None,
+            "rate_used": setting.used[0] if setting and setting.used else None,
+            "why": None,
+        }
+        # The reason matters where jobs wait and none of the queue's runs.
+        if queued + retrying and not running:
+            reason = queue_reasons(
+                live=sum(1 for w in workers if w["live"]),
+                live_queues=sorted({n for w in workers if w["live"] for n in w["queues"] or ()}),
+                serving=[(w["leases"], w["concurrency"]) for w in serving],
+                due_in=-oldest if oldest is not None else None,
+                setting=setting,
+                running=running,
+            )[0]
+            row["why"] = {"code": reason.code, "text": reason.text}
+        rows.append(row)
+    return rows
+
+
+def health(
+    *,
+    oldest_transaction: Sequence[Any] | None,
+    hidden_sessions: int,
+    tuples: tuple[int, int, float | None] | None,
+    workers: Sequence[Mapping[str, Any]],
+    dead_tuple_ratio: float,
+    dead_tuple_minimum: int,
+    late_after: float,
+) -> dict[str, Any]:
+    """The warnings strip: the oldest transaction holding back vacuum (already past its
+    threshold in SQL), the jobs table's dead rows past theirs, and workers that missed a
+    heartbeat. Workers do not record their heartbeat interval; its default is a third of the
+    lease they record, so a worker is behind when its last heartbeat is two of those old (a
+    worker without a lease: past ``late_after``)."""
+    transaction = None
+    if oldest_transaction is not None:
+        pid, app, state, age, query_age, query, xmin_age = oldest_transaction
+        transaction = {
+            "pid": int(pid), "application_name": app, "state": state, "age": age,
+            "query_age": query_age, "query": query,
+            "xmin_age": int(xmin_age) if xmin_age is not None else None,
+        }  # fmt: skip
+    dead_rows = None
+    if tuples is not None:
+        live, dead, vacuumed = tuples
+        if dead >= dead_tuple_minimum and dead > dead_tuple_ratio * live:
+            dead_rows = {"live": live, "dead": dead, "vacuumed_ago": vacuumed}
+    behind = []
+    for w in workers:
+        due = 2 * w["lease"] / 3 if w.get("lease") else late_after
+        if w["heartbeat_age"] > due:
+            behind.append({"id": w["id"], "host": w["host"], "pid": w["pid"],
+                           "heartbeat_age": w["heartbeat_age"],
+                           "interval": w["lease"] / 3 if w.get("lease") else None})  # fmt: skip
+    return {
+        "transaction": transaction,
+        "dead_rows": dead_rows,
+        "workers": behind,
+        "hidden_sessions": hidden_sessions,
     }

@@ -15,6 +15,31 @@ from . import figures
 
 LIST_LIMIT = 50
 FEED_LIMIT = 30
+#: Dead jobs per queue are recounted at most this often, and only when the dead total moved:
+#: the count reads every dead row (there is no index by queue).
+DEAD_RECOUNT_SECONDS = 30.0
+#: Up to this many dead jobs, counting them per queue costs well under a millisecond: every
+#: refresh does.
+DEAD_ALWAYS_COUNTED = 2000
+
+
+@dataclasses.dataclass
+class DeadCounts:
+    """Dead jobs per queue as last counted, kept by the refresh loop between reads."""
+
+    total: int
+    at: float
+    by_queue: dict[str, int]
+
+
+@dataclasses.dataclass
+class QueueSetting:
+    paused: bool
+    limit: int | None
+    rate: int | None
+    period: float | None
+    #: [starts in the current period, seconds until there is room again] while rated.
+    used: list[Any] | None = None
 
 
 @dataclasses.dataclass
@@ -35,6 +60,18 @@ class Reading:
     schedules: list[dict[str, Any]]
     paused: list[str]
     inserts_total: int | None
+    settings: dict[str, QueueSetting] = dataclasses.field(default_factory=dict)
+    queue_finished: dict[str, int] = dataclasses.field(default_factory=dict)
+    queue_pickup: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+    #: now - the earliest run_at of each queue's waiting jobs (negative: none due yet).
+    heads: dict[str, float] = dataclasses.field(default_factory=dict)
+    dead: DeadCounts | None = None
+    #: (pid, application_name, state, xact age, query age, query, xmin age) of the oldest
+    #: transaction holding back vacuum past the threshold, if any.
+    oldest_transaction: tuple[Any, ...] | None = None
+    hidden_sessions: int = 0
+    #: (live, dead, seconds since the last vacuum) of pgqueue_jobs, from the statistics.
+    tuples: tuple[int, int, float | None] | None = None
 
 
 def statements(schema: str) -> dict[str, bytes]:
@@ -49,10 +86,17 @@ async def _all(
 
 
 async def read(
-    conn: psycopg.AsyncConnection[Any], schema: str, *, late_after: float = 15.0
+    conn: psycopg.AsyncConnection[Any],
+    schema: str,
+    *,
+    late_after: float = 15.0,
+    long_transaction: float = 300.0,
+    dead: DeadCounts | None = None,
 ) -> Reading:
     """Every panel, inside the caller's REPEATABLE READ READ ONLY transaction
-    (``Database.read``): one instant for all figures."""
+    (``Database.read``): one instant for all figures. ``dead`` is the last count of dead jobs
+    per queue, recounted only when stale; ``long_transaction`` is the health strip's threshold
+    (seconds)."""
     q = statements(schema)
     clock = (await _all(conn, q["clock"]))[0]
     now, second = float(clock[0]), int(clock[1])
@@ -62,7 +106,14 @@ async def read(
         figures.depth_counts(depth_rows), await _all(conn, q["running_by_queue"])
     )
     tput = figures.throughput(await _all(conn, q["throughput"]), second)
-    latency = figures.latency(figures.histograms(await _all(conn, q["latency_histograms"])))
+    hist_rows = await _all(conn, q["latency_histograms"])
+    latency = figures.latency(figures.histograms((r[0], r[2], r[3]) for r in hist_rows))
+    queue_pickup: dict[str, dict[int, int]] = {}
+    for kind, queue, index, count in hist_rows:
+        if kind == "pickup":
+            stats.merge(queue_pickup.setdefault(str(queue), {}), {int(index): int(count)})
+    queue_finished = {str(r[0]): int(r[1]) for r in await _all(conn, q["queue_throughput"])}
+    heads = {str(r[0]): float(r[1]) for r in await _all(conn, q["queue_heads"])}
     samples = await _all(conn, q["depth_history"])
     workers = [figures.worker_row(r, late_after) for r in await _all(conn, q["workers"])]
     running = [
@@ -77,7 +128,7 @@ async def read(
          "args": r[9], "parents": r[10], "children": r[11]}
         for r in await _all(conn, q["problems"], {"limit": LIST_LIMIT})
     ]  # fmt: skip
-    dead, retrying = (await _all(conn, q["problem_counts"]))[0]
+    dead_total, retrying = (await _all(conn, q["problem_counts"]))[0]
     feed = [
         {"id": r[0], "task": r[1], "queue": r[2], "event": r[3], "at": r[4], "attempt": r[5]}
         for r in await _all(conn, q["feed"], {"limit": FEED_LIMIT})
@@ -87,7 +138,20 @@ async def read(
          "last_run": r[5], "enabled": r[6], "paused": r[7]}
         for r in await _all(conn, q["schedules"])
     ]  # fmt: skip
-    paused = [str(r[0]) for r in await _all(conn, q["paused_queues"])]
+    rows = await _all(conn, q["queue_settings"], {"schema": schema})
+    settings = {str(r[0]): QueueSetting(bool(r[1]), r[2], r[3], r[4]) for r in rows}
+    if rows and rows[0][5] and any(s.rate is not None for s in settings.values()):
+        for name, used, room_in in await _all(conn, q["queue_rates"]):
+            if (setting := settings.get(str(name))) is not None:  # past the first 1,000: none
+                setting.used = [used, room_in]
+    paused = [name for name, s in settings.items() if s.paused]
+    moved = dead is None or int(dead_total) != dead.total
+    if moved and (
+        dead is None or dead_total <= DEAD_ALWAYS_COUNTED or now - dead.at >= DEAD_RECOUNT_SECONDS
+    ):
+        by_queue = {str(r[0]): int(r[1]) for r in await _all(conn, q["dead_by_queue"])}
+        dead = DeadCounts(int(dead_total), now, by_queue)
+    activity = (await _all(conn, q["oldest_transaction"], {"older_than": long_transaction}))[0]
     counter = await _all(conn, q["insert_counter"], {"schema": schema})
     return Reading(
         now=now,
@@ -99,11 +163,19 @@ async def read(
         workers=workers,
         running=running,
         problems=problems,
-        problem_counts={"dead": int(dead), "retrying": int(retrying)},
+        problem_counts={"dead": int(dead_total), "retrying": int(retrying)},
         feed=feed,
         schedules=schedules,
         paused=paused,
         inserts_total=int(counter[0][0]) if counter else None,
+        settings=settings,
+        queue_finished=queue_finished,
+        queue_pickup=queue_pickup,
+        heads=heads,
+        dead=dead,
+        oldest_transaction=tuple(activity[1]) if activity[1] is not None else None,
+        hidden_sessions=int(activity[0]),
+        tuples=(int(counter[0][1]), int(counter[0][2]), counter[0][3]) if counter else None,
     )
 
 

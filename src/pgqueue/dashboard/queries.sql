@@ -56,16 +56,56 @@ GROUP BY bucket
 ORDER BY bucket
 
 -- name: latency_histograms
--- Histograms of the last 60 seconds, merged across workers and queues bin by bin.
-SELECT 'pickup' AS kind, h.key::int, sum(h.value::bigint)::bigint
+-- Histograms of the last 60 seconds, merged across workers bin by bin: pickup per queue (the
+-- queues table's p95; the tile merges the queues), run time across queues.
+SELECT 'pickup' AS kind, s.queue, h.key::int, sum(h.value::bigint)::bigint
 FROM {schema}.pgqueue_stats s, jsonb_each_text(s.pickup_hist) AS h
 WHERE s.bucket >= now() - interval '60 seconds'
-GROUP BY h.key
+GROUP BY s.queue, h.key
 UNION ALL
-SELECT 'run' AS kind, h.key::int, sum(h.value::bigint)::bigint
+SELECT 'run' AS kind, NULL, h.key::int, sum(h.value::bigint)::bigint
 FROM {schema}.pgqueue_stats s, jsonb_each_text(s.run_hist) AS h
 WHERE s.bucket >= now() - interval '60 seconds'
 GROUP BY h.key
+
+-- name: queue_throughput
+-- Finished attempts per queue in the throughput tile's window: the 10 settled seconds that end
+-- two seconds ago (figures.RATE_WINDOW, figures.SETTLE); a bucket index range scan.
+SELECT queue, sum(succeeded + retried + dead)::bigint
+FROM {schema}.pgqueue_stats
+WHERE bucket BETWEEN date_trunc('second', now()) - interval '11 seconds'
+                 AND date_trunc('second', now()) - interval '2 seconds'
+GROUP BY queue
+
+-- name: queue_heads
+-- Each queue's earliest run_at among its waiting jobs, without reading them all: a skip scan of
+-- the ready-per-queue index (queue, priority DESC, run_at, id), one descent per (queue,
+-- priority) pair, whose first entry is that pair's earliest. Positive: how long the oldest due
+-- job has waited; negative: nothing is due yet, the next is due in that long.
+WITH RECURSIVE heads AS (
+    (SELECT queue, priority, run_at FROM {schema}.pgqueue_jobs
+     WHERE status IN ('queued', 'retrying')
+     ORDER BY queue, priority DESC, run_at, id LIMIT 1)
+    UNION ALL
+    SELECT n.queue, n.priority, n.run_at
+    FROM heads h, LATERAL (
+        (SELECT queue, priority, run_at FROM {schema}.pgqueue_jobs
+         WHERE status IN ('queued', 'retrying') AND queue = h.queue AND priority < h.priority
+         ORDER BY queue, priority DESC, run_at, id LIMIT 1)
+        UNION ALL
+        (SELECT queue, priority, run_at FROM {schema}.pgqueue_jobs
+         WHERE status IN ('queued', 'retrying') AND queue > h.queue
+         ORDER BY queue, priority DESC, run_at, id LIMIT 1)
+        LIMIT 1
+    ) n
+)
+SELECT queue, extract(epoch FROM now() - min(run_at))::float8 FROM heads GROUP BY queue
+
+-- name: dead_by_queue
+-- Dead jobs per queue. The dead index has no queue, so this reads every dead row (6 ms for
+-- 10,000): queries.read runs it only when the dead total changed, and past 2,000 dead jobs at
+-- most every 30 seconds.
+SELECT queue, count(*)::bigint FROM {schema}.pgqueue_jobs WHERE status = 'dead' GROUP BY queue
 
 -- name: depth_history
 -- Depth samples of the last two minutes (primary key range scan), and of the minute before: a
@@ -76,11 +116,14 @@ WHERE bucket >= date_trunc('second', now()) - interval '180 seconds'
 ORDER BY bucket, queue
 
 -- name: workers
--- Leases held come from the running partial index (few rows), joined by worker id.
+-- Leases held come from the running partial index (few rows), joined by worker id. A heartbeat
+-- sets the worker's lease to now() + lease, so their difference is its lease length.
 SELECT w.id::text, w.host, w.pid, w.queues, w.concurrency,
        extract(epoch FROM now() - w.started_at)::float8,
        extract(epoch FROM now() - w.last_heartbeat_at)::float8,
-       w.stale_writes, COALESCE(r.held, 0)::bigint
+       w.stale_writes, COALESCE(r.held, 0)::bigint,
+       extract(epoch FROM w.lease_expires_at - w.last_heartbeat_at)::float8,
+       extract(epoch FROM w.lease_expires_at - now())::float8
 FROM {schema}.pgqueue_workers w
 LEFT JOIN (
     SELECT worker_id, count(*) AS held FROM {schema}.pgqueue_jobs
@@ -172,13 +215,48 @@ FROM {schema}.pgqueue_schedules
 ORDER BY name
 LIMIT 500
 
--- name: paused_queues
--- Operators' pauses (`pgqueue queues pause`): a few rows, for the badges next to queue names.
-SELECT name FROM {schema}.pgqueue_queues WHERE paused ORDER BY name
+-- name: queue_settings
+-- Operators' settings (`pgqueue queues pause`, `pgqueue queues limit`): a few rows, for the
+-- badges next to queue names and the queues table. Whether the role may read the rate logs:
+-- queue_rates runs only then (a role granted before they existed still gets a page).
+SELECT name, paused, concurrency_limit, rate_limit, rate_period,
+       has_table_privilege(to_regclass(format('%%I.pgqueue_rates', %(schema)s::text)), 'SELECT')
+FROM {schema}.pgqueue_queues
+ORDER BY name
+LIMIT 1000
+
+-- name: queue_rates
+-- Starts in the current period of each rate-limited queue, from the limited claim's log (one
+-- primary-key probe per rated queue), and when there is room again: as job_why counts them.
+SELECT q.name, sum(x.c)::int,
+       extract(epoch FROM min(x.at) + make_interval(secs => q.rate_period) - now())::float8
+FROM {schema}.pgqueue_queues q
+JOIN {schema}.pgqueue_rates rt ON rt.name = 'q:' || q.name
+CROSS JOIN LATERAL unnest(rt.times, rt.counts) AS x(at, c)
+WHERE q.rate_limit IS NOT NULL AND x.at > now() - make_interval(secs => q.rate_period)
+GROUP BY q.name, q.rate_period
+
+-- name: oldest_transaction
+-- How many sessions of this database this role may not see (without pg_read_all_stats, other
+-- roles' rows read '<insufficient privilege>', with no times), and the oldest transaction here
+-- older than the threshold that holds back vacuum (it has a snapshot or an xid): every dead row
+-- newer than its xmin stays, in the jobs table too. One pass over pg_stat_activity, in memory.
+SELECT count(*) FILTER (WHERE a.query = '<insufficient privilege>')::int,
+       (array_agg(jsonb_build_array(a.pid, a.application_name, a.state,
+                  extract(epoch FROM now() - a.xact_start)::float8,
+                  extract(epoch FROM now() - a.query_start)::float8, left(a.query, 200),
+                  age(a.backend_xmin)) ORDER BY a.xact_start)
+        FILTER (WHERE a.pid <> pg_backend_pid()
+                  AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+                  AND a.xact_start < now() - make_interval(secs => %(older_than)s)))[1]
+FROM pg_stat_activity a
+WHERE a.datname = current_database()
 
 -- name: insert_counter
--- Cumulative inserts into the jobs table (statistics, no table scan), for the INSERT arrow's rate.
-SELECT n_tup_ins::bigint
+-- Cumulative inserts into the jobs table (statistics, no table scan), for the INSERT arrow's rate;
+-- and its live and dead rows, for the health strip (autovacuum behind, or held back).
+SELECT n_tup_ins::bigint, n_live_tup::bigint, n_dead_tup::bigint,
+       extract(epoch FROM now() - greatest(last_vacuum, last_autovacuum))::float8
 FROM pg_stat_user_tables
 WHERE relid = to_regclass(format('%%I.pgqueue_jobs', %(schema)s::text))
 

@@ -55,11 +55,20 @@ class Refresher:
         *,
         interval: float = 1.0,
         late_after: float = 15.0,
+        long_transaction: float = 300.0,
+        dead_tuple_ratio: float = 0.2,
+        dead_tuple_minimum: int = 10_000,
     ) -> None:
         self.database = database
         self.schema = schema
         self.interval = interval
         self.late_after = late_after
+        #: The health strip's thresholds: a transaction holding back vacuum this long (s), and
+        #: dead rows in pgqueue_jobs past this share of the live ones (and at least the minimum).
+        self.long_transaction = long_transaction
+        self.dead_tuple_ratio = dead_tuple_ratio
+        self.dead_tuple_minimum = dead_tuple_minimum
+        self._dead: queries.DeadCounts | None = None
         self.broadcaster = Broadcaster()
         self.refreshes = 0
         #: Refreshes that failed (database down, tables missing): /metrics counts them.
@@ -100,7 +109,11 @@ class Refresher:
             if self.writable is None:
                 self.writable = await writable_tables(conn, self.schema)
                 self._warn_if_writable()
-            reading = await queries.read(conn, self.schema, late_after=self.late_after)
+            reading = await queries.read(
+                conn, self.schema, late_after=self.late_after,
+                long_transaction=self.long_transaction, dead=self._dead,
+            )  # fmt: skip
+            self._dead = reading.dead
             # Cheap: after the first read it covers only the seconds settled since the last.
             until, rows = await queries.finished_since(conn, self.schema, self.totals.watermark)
             self.totals.add(rows)
@@ -175,9 +188,25 @@ class Refresher:
             },
             "throughput": {k: tput[k] for k in ("t", "succeeded", "failed", "settled_until")},
             "depth": depth,
-            "queues": [
-                {"queue": q, **c, "paused": q in r.paused} for q, c in sorted(r.depth.items())
-            ],
+            "queues": figures.queue_table(
+                r.depth,
+                dead=r.dead.by_queue if r.dead else {},
+                finished=r.queue_finished,
+                pickup=r.queue_pickup,
+                heads=r.heads,
+                settings=r.settings,
+                workers=r.workers,
+            ),
+            "health": figures.health(
+                oldest_transaction=r.oldest_transaction,
+                hidden_sessions=r.hidden_sessions,
+                tuples=r.tuples,
+                workers=r.workers,
+                dead_tuple_ratio=self.dead_tuple_ratio,
+                dead_tuple_minimum=self.dead_tuple_minimum,
+                late_after=self.late_after,
+            ),
+            "long_transaction": self.long_transaction,
             # Paused queues, with or without jobs: a badge wherever the page names one.
             "paused_queues": r.paused,
             "workers": r.workers,

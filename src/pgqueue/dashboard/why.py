@@ -104,3 +104,57 @@ def _rate_reason(
         f"{whose} used its rate: {int(used[0])} started in the last {duration(period)} "
         f"(at most {rate}); room again in {duration(max(wait, 0.0))}.",
     )
+
+
+#: A queue whose jobs wait when nothing at the queue's level holds them: their tasks' limits
+#: are per job (its detail page says).
+QUEUE_READY = Reason(
+    "ready",
+    "Nothing at the queue's level holds it back: its jobs should start any moment (a job's own "
+    "page names a task limit or parents it waits for).",
+)
+
+
+def queue_reasons(
+    *,
+    live: int,
+    live_queues: Sequence[str],
+    serving: Sequence[tuple[int, int]],
+    due_in: float | None,
+    setting: Any,
+    running: int,
+) -> list[Reason]:
+    """Why a queue's waiting jobs are not running: the job page's checks that belong to the
+    queue, in the same order (no worker, none serving it, not due, paused, its limit, its rate,
+    busy workers). ``serving`` is (leases, concurrency) of each live worker serving it;
+    ``due_in`` the seconds until its earliest waiting job is due; ``setting`` its
+    ``queries.QueueSetting`` or None. ``[QUEUE_READY]`` when none applies."""
+    found: list[Reason] = []
+    if live == 0:
+        found.append(Reason("no_worker", "No worker is running (none has a recent heartbeat)."))
+    elif not serving:
+        served = ", ".join(live_queues) if live_queues else "none"
+        found.append(Reason(
+            "no_worker_for_queue", f"No live worker serves it (they serve: {served}).",
+        ))  # fmt: skip
+    if due_in is not None and due_in > 0:
+        found.append(
+            Reason("not_due", f"All its jobs are due later: the next in {duration(due_in)}.")
+        )
+    if setting is not None and setting.paused:
+        found.append(Reason("paused", 'Paused ("pgqueue queues resume" lets workers claim it).'))
+    if setting is not None and setting.limit is not None and running >= setting.limit:
+        found.append(Reason("queue_limit", "It " + _at_limit(running, setting.limit)))
+    if (
+        setting is not None
+        and (rate := _rate_reason("queue_rate", "It", setting.rate, setting.period, setting.used))
+        is not None
+    ):
+        found.append(rate)
+    if serving and all(held >= slots for held, slots in serving):
+        slots = sum(s for _, s in serving)
+        found.append(Reason(
+            "workers_busy",
+            f"Every worker that serves it is busy: {plural(slots, 'slot')}, all holding a job.",
+        ))  # fmt: skip
+    return found or [QUEUE_READY]

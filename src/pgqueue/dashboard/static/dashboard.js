@@ -4,7 +4,15 @@
   "use strict";
 
   const $ = (id) => document.getElementById(id);
-  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", legendKey: "", depthScale: null, depthValues: new Map(), problemsOpen: new Set(), paused: new Set(), seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
+  const state = { snap: null, receivedAt: 0, charts: {}, depthKey: "", legendKey: "", depthScale: null, depthValues: new Map(), problemsOpen: new Set(), paused: new Set(), queue: queueParam(), seenFeed: new Set(), openErrors: new Set(), fullErrors: new Map() };
+
+  // The queue the Running and Problems panels are filtered to: ?queue= in the page's URL, so a
+  // filtered view is bookmarkable. The filter runs here, on the pushed snapshot: the refresh is
+  // shared by every open page and stays one read whatever each page shows.
+  function queueParam() {
+    const q = new URLSearchParams(window.location.search).get("queue");
+    return q === null || q === "" ? null : q;
+  }
 
   // --- formatting ------------------------------------------------------------------------
   function fmtSeconds(s) {
@@ -326,10 +334,14 @@
     return el("span", "family", parts.join(" · "));
   }
 
-  function renderRunning(rows) {
+  function renderRunning(rows, queue, total) {
     const body = $("running");
-    if (!rows.length) { body.replaceChildren(emptyRow(7, "Nothing is running right now")); return; }
-    body.replaceChildren(...rows.map((r) => {
+    // The snapshot lists the longest-running jobs of every queue; a queue's may be past them.
+    const note = queue !== null && total > rows.length
+      ? [filterNote(7, "showing " + fmtInt(rows.length) + " of its " + fmtInt(total) + ": the dashboard lists the " + LIST_LIMIT + " longest-running jobs across every queue")]
+      : [];
+    if (!rows.length) { body.replaceChildren(emptyRow(7, queue === null ? "Nothing is running right now" : "Nothing of queue " + queue + " is running right now"), ...note); return; }
+    body.replaceChildren(...note, ...rows.map((r) => {
       const tr = el("tr");
       const task = cell(r.task); task.append(el("span", "args mono", r.args));
       if (r.progress) task.append(progressBar(r.progress));
@@ -388,7 +400,7 @@
   function renderProblems(rows, counts) {
     setText("problem-counts", counts ? "· " + fmtInt(counts.dead) + " dead · " + fmtInt(counts.retrying) + " retrying" : "");
     const body = $("problems");
-    if (!rows.length) { body.replaceChildren(emptyRow(6, "Nothing here")); return; }
+    if (!rows.length && !(counts && (counts.dead || counts.retrying))) { body.replaceChildren(emptyRow(6, "Nothing here")); return; }
     const out = [];
     for (const [status, label, order, none] of PROBLEM_GROUPS) {
       const group = rows.filter((r) => r.status === status);
@@ -399,7 +411,11 @@
       th.append(el("span", "pill " + status, label), " ", el("span", "group-count", fmtInt(total)));
       head.append(th);
       out.push(head);
-      if (!group.length) { out.push(emptyRow(6, none)); continue; }
+      if (!group.length) {
+        // A filtered queue's jobs can all be past the newest / soonest listed across queues.
+        out.push(total > 0 ? filterNote(6, "none of its " + fmtInt(total) + " is among the " + LIST_LIMIT + " " + order + " listed across every queue") : emptyRow(6, none));
+        continue;
+      }
       const open = state.problemsOpen.has(status);
       const shown = open ? group : group.slice(0, PROBLEM_ROWS);
       out.push(...shown.map(problemRow));
@@ -410,7 +426,7 @@
         button.type = "button";
         button.addEventListener("click", () => {
           if (open) state.problemsOpen.delete(status); else state.problemsOpen.add(status);
-          if (state.snap) { renderProblems(state.snap.problems, state.snap.problem_counts); markOverflow(); }
+          if (state.snap) { renderLists(); markOverflow(); }
         });
         parts.push(button);
       }
@@ -428,6 +444,110 @@
       const value = more.join(" ");
       if (box.dataset.more !== value) box.dataset.more = value;
     }
+  }
+
+  const LIST_LIMIT = 50;  // queries.LIST_LIMIT: rows per list in a snapshot
+  function filterNote(cols, text) { const tr = el("tr", "filter-note"); const td = cell(text); td.colSpan = cols; tr.append(td); return tr; }
+
+  // Running jobs and Problems, all queues or the one in ?queue=; the counts are then the queue's.
+  function renderLists() {
+    const snap = state.snap, queue = state.queue;
+    const keep = (r) => queue === null || r.queue === queue;
+    const row = queue === null ? null : (snap.queues || []).find((r) => r.queue === queue) || null;
+    renderRunning(snap.running.filter(keep), queue, row ? row.running : 0);
+    const counts = queue === null ? snap.problem_counts : { dead: row ? row.dead : 0, retrying: row ? row.retrying : 0 };
+    renderProblems(snap.problems.filter(keep), counts);
+    for (const chip of document.querySelectorAll("h2 .filter")) {
+      chip.hidden = queue === null;
+      chip.querySelector(".filter-name").textContent = queue === null ? "" : queue;
+      chip.querySelector(".filter-clear").href = window.location.pathname;
+    }
+    for (const tr of document.querySelectorAll("#queues tr[data-queue]")) tr.classList.toggle("selected", tr.dataset.queue === queue);
+  }
+
+  function setQueue(queue) {
+    state.queue = queue;
+    const url = new URL(window.location.href);
+    if (queue === null) url.searchParams.delete("queue"); else url.searchParams.set("queue", queue);
+    window.history.pushState(null, "", url);
+    if (state.snap) { renderLists(); markOverflow(); }
+  }
+
+  function limitPills(r) {
+    const out = [];
+    if (r.limit !== null && r.limit !== undefined) {
+      const pill = el("span", "pill limited", "limit " + r.limit);
+      pill.title = "At most " + r.limit + " of its jobs run at once across every worker (pgqueue queues limit).";
+      out.push(" ", pill);
+    }
+    if (r.rate_limit !== null && r.rate_limit !== undefined) {
+      const used = r.rate_used === null || r.rate_used === undefined ? "" : " · " + fmtInt(r.rate_used) + " used";
+      const pill = el("span", "pill limited", "rate " + r.rate_limit + " / " + fmtSeconds(r.rate_period) + used);
+      pill.title = "At most " + r.rate_limit + " of its jobs start in any " + fmtSeconds(r.rate_period) + " (pgqueue queues limit).";
+      out.push(" ", pill);
+    }
+    return out;
+  }
+
+  function renderQueues(rows) {
+    const body = $("queues");
+    if (!rows.length) { body.replaceChildren(emptyRow(10, "No queues yet")); return; }
+    body.replaceChildren(...rows.map((r) => {
+      const tr = el("tr", r.queue === state.queue ? "selected" : "");
+      tr.dataset.queue = r.queue;
+      const link = el("a", "queue-link", r.queue);
+      link.href = "?queue=" + encodeURIComponent(r.queue);
+      link.title = "Show only this queue's running jobs and problems";
+      const name = cell("");
+      name.append(link);
+      if (r.paused) { const pill = el("span", "pill paused", "paused"); pill.title = "Paused: no worker claims its jobs until `pgqueue queues resume`."; name.append(" ", pill); }
+      name.append(...limitPills(r));
+      const waiting = r.queued + r.retrying;
+      const oldest = r.oldest === null || r.oldest === undefined ? "–" : r.oldest >= 0 ? fmtSeconds(r.oldest) : "next in " + fmtSeconds(-r.oldest);
+      const ids = r.workers.slice(0, 3).map(shortId).join(", ") + (r.workers.length > 3 ? ", …" : "");
+      const workers = cell(r.workers.length ? r.workers.length + " · " + ids : "none", r.workers.length || !waiting ? "mono" : "mono none");
+      workers.title = r.workers.join("\n");
+      const why = cell(r.why ? r.why.text : "", "queue-why");
+      if (r.why) why.dataset.code = r.why.code;
+      tr.append(name, cell(fmtInt(r.queued), "num"), cell(fmtInt(r.running), "num"), cell(fmtInt(r.retrying), "num"),
+        cell(fmtInt(r.dead), "num" + (r.dead ? " dead" : "")), cell(fmtRate(r.rate), "num"),
+        cell(fmtValue(r.pickup_p95, fmtSeconds), "num"), cell(oldest, "num"), workers, why);
+      return tr;
+    }));
+  }
+
+  // What slows every claim, hidden when nothing is wrong.
+  function renderHealth(h, threshold) {
+    const items = [];
+    const item = (cls, ...parts) => { const li = el("li", cls); li.append(...parts); items.push(li); };
+    if (h && h.transaction) {
+      const t = h.transaction;
+      const what = [t.application_name ? "“" + t.application_name + "”" : "no application_name", t.state || "state unknown"];
+      const query = t.query ? " Its last query (started " + fmtAgo(t.query_age) + "): " : "";
+      item("warn", el("b", "", "A transaction has been open for " + fmtSeconds(t.age)),
+        " (over " + fmtSeconds(threshold) + ") and holds back vacuum: ", el("code", "", "pid " + t.pid),
+        " · " + what.join(" · ") + "." + query, t.query ? el("code", "", t.query) : "",
+        t.query ? "." : "", " Dead rows in pgqueue_jobs cannot be removed while it lasts, and every claim reads past them: end it (", el("code", "", "pg_terminate_backend(" + t.pid + ")"), " if it is forgotten).");
+    }
+    if (h && h.dead_rows) {
+      const d = h.dead_rows;
+      const pct = d.live ? Math.round(100 * d.dead / d.live) + " % of" : "against";
+      const vacuumed = d.vacuumed_ago === null || d.vacuumed_ago === undefined ? "never vacuumed since the statistics were reset" : "last vacuumed " + fmtAgo(d.vacuumed_ago);
+      item("warn", el("b", "", "pgqueue_jobs holds " + fmtInt(d.dead) + " dead rows"), ", " + pct + " its " + fmtInt(d.live) + " live ones; " + vacuumed + ". Autovacuum is behind or held back (an old transaction, a replication slot, a prepared transaction).");
+    }
+    for (const w of (h && h.workers) || []) {
+      const every = w.interval ? "it beats about every " + fmtSeconds(w.interval) + " (a third of its lease)" : "it has no lease recorded";
+      item("warn", el("b", "", "Worker " + shortId(w.id) + " (" + w.host + ", pid " + w.pid + ") is behind its heartbeat"), ": the last one was " + fmtAgo(w.heartbeat_age) + ", and " + every + ".");
+    }
+    const warnings = items.length;
+    if (h && h.hidden_sessions) {
+      item("note", fmtInt(h.hidden_sessions) + (h.hidden_sessions === 1 ? " session" : " sessions") + " of other roles cannot be seen by this dashboard's role, so a transaction of theirs holding back vacuum cannot be named: ", el("code", "", "GRANT pg_read_all_stats TO <dashboard role>"), ".");
+    }
+    const strip = $("health");
+    strip.hidden = items.length === 0;
+    strip.classList.toggle("quiet", warnings === 0);
+    setText("health-title", warnings ? "Needs a look:" : "Note:");
+    $("health-list").replaceChildren(...items);
   }
 
   function renderSchedules(rows) {
@@ -494,10 +614,11 @@
     renderTiles(snap.tiles);
     renderThroughput(snap.throughput);
     renderDepth(snap.depth);
+    renderHealth(snap.health, snap.long_transaction);
+    renderQueues(snap.queues || []);
     renderWorkers(snap.workers, snap.late_after);
     renderFeed(snap.feed);
-    renderRunning(snap.running);
-    renderProblems(snap.problems, snap.problem_counts);
+    renderLists();
     renderSchedules(snap.schedules);
     renderRates(snap);
     markOverflow();
@@ -524,6 +645,20 @@
         if (state.snap) renderDepth(state.snap.depth);
       });
     }
+    // A queue's row (or its name, a plain ?queue= link) filters; its selected row clears.
+    $("queues").addEventListener("click", (event) => {
+      const tr = event.target.closest("tr[data-queue]");
+      if (!tr || event.metaKey || event.ctrlKey || event.shiftKey) return;
+      event.preventDefault();
+      setQueue(state.queue === tr.dataset.queue ? null : tr.dataset.queue);
+    });
+    for (const clear of document.querySelectorAll("h2 .filter-clear")) {
+      clear.addEventListener("click", (event) => { event.preventDefault(); setQueue(null); });
+    }
+    window.addEventListener("popstate", () => {
+      state.queue = queueParam();
+      if (state.snap) { renderLists(); markOverflow(); }
+    });
     connect();
     setInterval(tick, 250);
   });
