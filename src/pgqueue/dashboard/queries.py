@@ -35,6 +35,8 @@ class Reading:
     schedules: list[dict[str, Any]]
     paused: list[str]
     inserts_total: int | None
+    #: None on a primary; on a hot standby {"lag": seconds behind or None, "streaming": bool}.
+    replica: dict[str, Any] | None = None
 
 
 def statements(schema: str) -> dict[str, bytes]:
@@ -88,7 +90,10 @@ async def read(
         for r in await _all(conn, q["schedules"])
     ]  # fmt: skip
     paused = [str(r[0]) for r in await _all(conn, q["paused_queues"])]
-    counter = await _all(conn, q["insert_counter"], {"schema": schema})
+    in_recovery, lag, streaming = (await _all(conn, q["replica"]))[0]
+    replica = {"lag": lag, "streaming": bool(streaming)} if in_recovery else None
+    # A standby's table statistics count its own activity, not the primary's inserts: no rate.
+    counter = [] if in_recovery else await _all(conn, q["insert_counter"], {"schema": schema})
     return Reading(
         now=now,
         second=second,
@@ -104,6 +109,7 @@ async def read(
         schedules=schedules,
         paused=paused,
         inserts_total=int(counter[0][0]) if counter else None,
+        replica=replica,
     )
 
 
