@@ -202,8 +202,12 @@ def test_prepared_statements_setting_from_the_environment(
 def test_pgbouncer_accepts_the_dashboards_connection(dsn: str) -> None:
     """Its read-only guards are per transaction, not startup `options` (which PgBouncer before
     1.20 refuses)."""
-    with pgbouncer(dsn, "session") as through:
-        psycopg.connect(through, **session_options()).close()
+    with (
+        pgbouncer(dsn, "session") as through,
+        psycopg.connect(through, **session_options()) as dashboard,
+    ):
+        # Nor does it prepare statements, which transaction pooling before 1.21 cannot carry.
+        assert dashboard.prepare_threshold is None
 
 
 @requires_pgbouncer
