@@ -116,6 +116,14 @@ def test_the_dashboard_reads_a_hot_standby(replicated: Replicated) -> None:
             assert later["tiles"]["waiting"] == 14
             refresher: Refresher = on_standby.state.refresher
             assert refresher.failures == 0
+
+            # Promoted (the fixture's failover step), the standby is a primary: the same
+            # dashboard, on the same connection, stops saying replica.
+            standby.promote()
+            wait_until(
+                lambda: snapshot(s)["replica"] is None, timeout=30, what="no longer a replica"
+            )
+            assert refresher.failures == 0
     finally:
         app.close()
 
