@@ -6,6 +6,7 @@ every write, so a stray one would show up as an error."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import psycopg
@@ -108,12 +109,31 @@ def test_the_dashboard_reads_a_hot_standby(replicated: Replicated) -> None:
             assert "pgqueue_dashboard_replica_lag_seconds" not in p.get("/metrics").text
             assert s.get("/readyz").text == "ok"
 
-            # More writes on the primary: the standby's dashboard follows once they replay.
-            for n in range(3):
-                app.enqueue("greet", {"name": f"later{n}"}, queue="greetings", allow_unknown=True)
+            # More writes on the primary while the standby's replay is paused: they arrive but
+            # are not applied, so the dashboard shows the lag growing from the last commit
+            # replayed, and the figures as of then. Resumed, it catches up.
+            with psycopg.connect(standby.dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_wal_replay_pause()")
+                for n in range(3):
+                    app.enqueue(
+                        "greet", {"name": f"later{n}"}, queue="greetings", allow_unknown=True
+                    )
+
+                def behind() -> dict[str, Any] | None:
+                    snap = snapshot(s)
+                    lag = snap["replica"]["lag"]
+                    return snap if lag is not None and lag >= 1 else None
+
+                paused = wait_until(behind, timeout=30, what="a lag of a second or more")
+                assert paused["tiles"]["waiting"] == 11
+                assert re.search(
+                    r"pgqueue_dashboard_replica_lag_seconds [1-9]", s.get("/metrics").text
+                )
+                admin.execute("SELECT pg_wal_replay_resume()")
             replicated.wait_replayed()
             later = snapshot(s, snapshot(s)["refresh"])
             assert later["tiles"]["waiting"] == 14
+            assert later["replica"]["lag"] is not None and later["replica"]["lag"] < 30
             refresher: Refresher = on_standby.state.refresher
             assert refresher.failures == 0
 
