@@ -15,6 +15,8 @@ import pytest
 import pgqueue
 from pgqueue.errors import ConfigurationError
 from pgqueue.testing.databases import TemplateDatabases
+from tests.replication import Replicated
+from tests.replication import replicated as start_replicated
 
 #: The harness is pgqueue.testing's (the pytest plugin's too): one implementation.
 Server = TemplateDatabases
@@ -71,3 +73,11 @@ def prefetch_learned_over_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
     from pgqueue.worker import fetcher
 
     monkeypatch.setattr(fetcher, "PREFETCH_WINDOW", 1.0)
+
+
+@pytest.fixture
+def replicated() -> Iterator[Replicated]:
+    """A primary and a hot standby streaming from it, clusters of this test's own (a few
+    seconds to start): see tests/replication.py."""
+    with start_replicated() as pair:
+        yield pair

@@ -21,9 +21,12 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import conninfo
+from starlette.testclient import TestClient
 
 import pgqueue
+from pgqueue.dashboard.app import create_app
 from pgqueue.dashboard.database import session_options
+from pgqueue.dashboard.refresh import Refresher
 from pgqueue.embedded import free_port
 from tests.helpers import WorkerProcesses, wait_until, worker_process
 
@@ -199,8 +202,12 @@ def test_prepared_statements_setting_from_the_environment(
 def test_pgbouncer_accepts_the_dashboards_connection(dsn: str) -> None:
     """Its read-only guards are per transaction, not startup `options` (which PgBouncer before
     1.20 refuses)."""
-    with pgbouncer(dsn, "session") as through:
-        psycopg.connect(through, **session_options()).close()
+    with (
+        pgbouncer(dsn, "session") as through,
+        psycopg.connect(through, **session_options()) as dashboard,
+    ):
+        # Nor does it prepare statements, which transaction pooling before 1.21 cannot carry.
+        assert dashboard.prepare_threshold is None
 
 
 @requires_pgbouncer
@@ -227,3 +234,47 @@ def test_unique_jobs_through_transaction_pooling(dsn: str, conn: Conn) -> None:
             ).duplicate
         finally:
             producer.close()
+
+
+@requires_pgbouncer
+@pytest.mark.timeout(120)
+def test_the_dashboard_through_transaction_pooling(dsn: str, conn: Conn) -> None:
+    """Two dashboards (as two replicas of a deployment would be) through one transaction-pooling
+    PgBouncer with a small pool, so their transactions land on whichever server connection is
+    free: many refreshes each with no failure, the same figures as PostgreSQL itself, a job's
+    page and its JSON, and no setting left behind on the server connections."""
+    producer = pgqueue.App(dsn)
+    try:
+        ids = [producer.enqueue("greet", {"name": f"u{n}"}, allow_unknown=True) for n in range(7)]
+        producer.enqueue("report", {}, queue="reports", allow_unknown=True)
+    finally:
+        producer.close()
+    job_id = int(ids[0])
+    with (
+        pgbouncer(dsn, "transaction", default_pool_size="2") as through,
+        TestClient(create_app(through, refresh_interval=0.05), base_url="http://127.0.0.1") as a,
+        TestClient(create_app(through, refresh_interval=0.05), base_url="http://127.0.0.1") as b,
+    ):
+        refreshers: list[Refresher] = [a.app.state.refresher, b.app.state.refresher]  # type: ignore[attr-defined]
+        # Far past psycopg's fifth execution of every statement on each connection.
+        wait_until(lambda: all(r.refreshes >= 40 for r in refreshers), timeout=60)
+        assert [r.failures for r in refreshers] == [0, 0], [r._down_reason for r in refreshers]
+        for client in (a, b):
+            snap = client.get("/api/snapshot").json()
+            assert snap["status"] == "ok"
+            assert snap["tiles"]["queued"] == 8
+            assert {q["queue"]: q["queued"] for q in snap["queues"]} == {"default": 7, "reports": 1}
+            page = client.get(f"/jobs/{job_id}")
+            assert page.status_code == 200 and "greet" in page.text
+            api = client.get(f"/api/jobs/{job_id}").json()
+            assert (api["id"], api["task"], api["status"]) == (job_id, "greet", "queued")
+            assert client.get("/readyz").text == "ok"
+        # Every dashboard read was READ ONLY with a local statement_timeout: a plain client on
+        # the same pool's server connections finds neither.
+        with psycopg.connect(through, autocommit=True) as plain:
+            for _ in range(4):
+                row = plain.execute(
+                    "SELECT current_setting('transaction_read_only'),"
+                    " current_setting('statement_timeout'), current_setting('enable_seqscan')"
+                ).fetchone()
+                assert row == ("off", "0", "on")

@@ -58,8 +58,19 @@ GROUP BY r.rolsuper
 
 
 def session_options() -> dict[str, Any]:
-    """Connection keywords. No startup ``options``: the DSN's own are kept as they are."""
-    return {"autocommit": True, "application_name": APPLICATION_NAME, "connect_timeout": 3}
+    """Connection keywords. No startup ``options``: the DSN's own are kept as they are.
+
+    No server-side prepared statements (``prepare_threshold=None``): a prepared statement lives
+    on one server connection, and a transaction-pooling PgBouncer before 1.21 hands the next
+    transaction another one (``prepared statement "_pg3_0" does not exist``). They would buy the
+    dashboard nothing anyway: psycopg forgets them at every ROLLBACK, and every dashboard read
+    ends in one, so no statement ever reached its fifth execution."""
+    return {
+        "autocommit": True,
+        "application_name": APPLICATION_NAME,
+        "connect_timeout": 3,
+        "prepare_threshold": None,
+    }
 
 
 async def make_read_only(conn: psycopg.AsyncConnection[Any]) -> None:

@@ -102,6 +102,14 @@ class DashboardCollector(Collector):
         )
         pages.add_metric([], float(r.broadcaster.listeners))
         yield pages
+        replica = (r.snapshot or {}).get("replica")
+        if replica is not None and replica["lag"] is not None:
+            lag = GaugeMetricFamily(
+                "pgqueue_dashboard_replica_lag_seconds",
+                "How far behind its primary the hot standby the dashboard reads is.",
+            )
+            lag.add_metric([], float(replica["lag"]))
+            yield lag
         if r.last_duration is not None:
             duration = GaugeMetricFamily(
                 "pgqueue_dashboard_refresh_seconds", "Wall time of the last refresh's queries."

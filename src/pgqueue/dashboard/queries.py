@@ -72,6 +72,8 @@ class Reading:
     hidden_sessions: int = 0
     #: (live, dead, seconds since the last vacuum) of pgqueue_jobs, from the statistics.
     tuples: tuple[int, int, float | None] | None = None
+    #: None on a primary; on a hot standby {"lag": seconds behind or None, "streaming": bool}.
+    replica: dict[str, Any] | None = None
 
 
 def statements(schema: str) -> dict[str, bytes]:
@@ -152,7 +154,10 @@ async def read(
         by_queue = {str(r[0]): int(r[1]) for r in await _all(conn, q["dead_by_queue"])}
         dead = DeadCounts(int(dead_total), now, by_queue)
     activity = (await _all(conn, q["oldest_transaction"], {"older_than": long_transaction}))[0]
-    counter = await _all(conn, q["insert_counter"], {"schema": schema})
+    in_recovery, lag, streaming = (await _all(conn, q["replica"]))[0]
+    replica = {"lag": lag, "streaming": bool(streaming)} if in_recovery else None
+    # A standby's table statistics count its own activity, not the primary's inserts: no rate.
+    counter = [] if in_recovery else await _all(conn, q["insert_counter"], {"schema": schema})
     return Reading(
         now=now,
         second=second,
@@ -176,6 +181,7 @@ async def read(
         oldest_transaction=tuple(activity[1]) if activity[1] is not None else None,
         hidden_sessions=int(activity[0]),
         tuples=(int(counter[0][1]), int(counter[0][2]), counter[0][3]) if counter else None,
+        replica=replica,
     )
 
 

@@ -252,6 +252,20 @@ SELECT count(*) FILTER (WHERE a.query = '<insufficient privilege>')::int,
 FROM pg_stat_activity a
 WHERE a.datname = current_database()
 
+-- name: replica
+-- In recovery (a hot standby), and how far behind the primary its figures are. Caught up with
+-- all the WAL it has received while a WAL receiver streams: 0, since an idle primary sends
+-- nothing to replay and the last replayed commit's age would grow for nothing. Otherwise that
+-- commit's age (NULL before the first). pg_stat_wal_receiver shows a row, if only its pid, to
+-- any role.
+SELECT pg_is_in_recovery(),
+       CASE WHEN NOT pg_is_in_recovery() THEN NULL
+            WHEN pg_last_wal_receive_lsn() = pg_last_wal_replay_lsn()
+                 AND EXISTS (SELECT FROM pg_stat_wal_receiver) THEN 0
+            ELSE greatest(extract(epoch FROM now() - pg_last_xact_replay_timestamp()), 0)
+       END::float8,
+       EXISTS (SELECT FROM pg_stat_wal_receiver)
+
 -- name: insert_counter
 -- Cumulative inserts into the jobs table (statistics, no table scan), for the INSERT arrow's rate;
 -- and its live and dead rows, for the health strip (autovacuum behind, or held back).

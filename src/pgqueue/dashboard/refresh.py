@@ -175,6 +175,8 @@ class Refresher:
             "late_after": self.late_after,
             # The role can write: the page says so (connect as a SELECT-only role instead).
             "writable": self.writable or [],
+            # A hot standby: {"lag": seconds behind its primary or None, "streaming"}; else None.
+            "replica": r.replica,
             "refresh_ms": round(self.last_duration * 1000, 1) if self.last_duration else None,
             "tiles": {
                 "throughput": tput["rate"],

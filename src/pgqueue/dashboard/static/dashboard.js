@@ -606,6 +606,10 @@
     }
     setConn("live", "live");
     setText("conn-cost", snap.refresh_ms === null || snap.refresh_ms === undefined ? "" : "read in " + fmtSeconds(snap.refresh_ms / 1000));
+    // A hot standby: its figures are as old as its replay.
+    const replica = snap.replica;
+    setText("conn-replica", !replica ? "" : replica.lag === null ? "replica, lag unknown"
+      : "replica, " + (replica.lag < 1 ? "< 1 s" : fmtSeconds(replica.lag)) + " behind");
     state.snap = snap;
     state.receivedAt = performance.now();
     document.body.dataset.refresh = String(snap.refresh);
