@@ -170,6 +170,22 @@ async def declare(
     return [str(name) for name, restamp in await cur.fetchall() if restamp]
 
 
+async def snapshot_horizon(conn: psycopg.AsyncConnection[Any], q: Queries) -> str:
+    """The first transaction id not yet started: once every transaction below it has ended,
+    none can still commit a row it wrote before this moment (see horizon_passed)."""
+    cur = await conn.execute(q.snapshot_horizon)
+    row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+async def horizon_passed(conn: psycopg.AsyncConnection[Any], q: Queries, horizon: str) -> bool:
+    """Whether every transaction that was running at ``horizon`` has ended."""
+    cur = await conn.execute(q.horizon_passed, {"horizon": horizon})
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
 async def stamp_waiting(
     conn: psycopg.AsyncConnection[Any], q: Queries, task: str, limits: TaskLimits | None
 ) -> int:

@@ -462,6 +462,16 @@ FROM {schema}.pgqueue_tasks ORDER BY name
 SELECT DISTINCT q FROM {schema}.pgqueue_workers w,
        unnest(COALESCE(w.queues, ARRAY['default'])) AS q
 
+-- name: snapshot_horizon
+-- After a task's limit was declared: the first transaction id not yet assigned. A transaction
+-- that enqueued a job of the task without its group (it read pgqueue_tasks before the
+-- declaration committed) has an id below it, or none yet and then it still can read the new row.
+SELECT pg_snapshot_xmax(pg_current_snapshot())::text
+
+-- name: horizon_passed
+-- Every transaction below the horizon has ended: the jobs they wrote are visible or never will be.
+SELECT pg_snapshot_xmin(pg_current_snapshot()) >= %(horizon)s::xid8
+
 -- name: unstamped_jobs
 -- Waiting jobs of a task without a limit group (enqueued before its limit existed), a batch at a
 -- time in id order; only when a task's limit is new, so a pass over the table is rare.

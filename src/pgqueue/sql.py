@@ -146,6 +146,8 @@ class Queries:
     reset_task_limits: bytes
     task_limits: bytes
     served_queues: bytes
+    snapshot_horizon: bytes
+    horizon_passed: bytes
     unstamped_jobs: bytes
     stamp_limit_keys: bytes
     claim_jobs: bytes

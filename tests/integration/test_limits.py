@@ -491,3 +491,35 @@ async def test_an_unlimited_job_starts_promptly_while_limited_jobs_keep_the_work
         free.enqueue()
         await wait_until_async(lambda: "free" in started, timeout=30)
     assert started["free"] - asked < 5, started["free"] - asked
+
+
+async def test_a_job_enqueued_while_a_worker_declares_its_limit_still_gets_its_group(
+    dsn: str, conn: Conn
+) -> None:
+    """A producer that does not declare the task enqueues it by name in a transaction that read
+    pgqueue_tasks before the worker declared the limit and commits after the worker's first
+    pass over the waiting jobs: the job must still get its group, not run unlimited."""
+    producer = pgqueue.App(dsn)
+    app = pgqueue.App(dsn)
+
+    @app.task(name="capped", limit=1)
+    async def capped() -> None: ...
+
+    try:
+        with psycopg.connect(dsn) as open_tx:  # not autocommit: one open transaction
+            job = producer.enqueue("capped", {}, allow_unknown=True, connection=open_tx)
+            # Serving another queue: its claims leave the job alone, whatever its group.
+            async with running_worker(app, queues=["elsewhere"], **FAST):
+                assert conn.execute("SELECT count(*) FROM pgqueue_tasks").fetchone() == (1,)
+                open_tx.commit()
+                await wait_until_async(
+                    lambda: (
+                        conn.execute(
+                            "SELECT limit_key FROM pgqueue_jobs WHERE id = %s", (job,)
+                        ).fetchone()
+                        == ("",)
+                    ),
+                    timeout=20,
+                )
+    finally:
+        producer.close()

@@ -413,6 +413,9 @@ class Worker:
                 ) from None
 
     async def _register(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+        # Limits first: once a worker shows as registered, its tasks' limits are in force (a
+        # job enqueued by name from then on gets its group from the database).
+        await self._declare_limits(pool)
         sent_at = time.monotonic()
         async with pool.connection() as conn:
             await conn.execute(
@@ -427,7 +430,6 @@ class Worker:
                 },
             )
         self.heartbeat.extended(sent_at)
-        await self._declare_limits(pool)
 
     async def _declare_limits(
         self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
@@ -438,10 +440,47 @@ class Worker:
         if not declared:
             return
         async with pool.connection() as conn:
-            for name in await limits.declare(conn, self.app.q, declared):
+            names = await limits.declare(conn, self.app.q, declared)
+            if not names:
+                return
+            horizon = await limits.snapshot_horizon(conn, self.app.q)
+            for name in names:
                 stamped = await limits.stamp_waiting(conn, self.app.q, name, declared.get(name))
                 if stamped:
                     log.info("task %r: %d waiting jobs now count against its limit", name, stamped)
+        # A job enqueued by a statement that read pgqueue_tasks before the declaration committed
+        # has no group, and if its transaction commits after the pass above, nothing gave it one:
+        # it would run unlimited. Once every transaction open at the declaration has ended (the
+        # snapshot horizon), a second pass finds such jobs.
+        task = asyncio.get_running_loop().create_task(
+            self._stamp_after(pool, horizon, {n: declared.get(n) for n in names}), name="restamp"
+        )
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    async def _stamp_after(
+        self,
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        horizon: str,
+        tasks: dict[str, limits.TaskLimits | None],
+    ) -> None:
+        delay = 0.05
+        try:
+            while True:
+                async with pool.connection() as conn:
+                    if await limits.horizon_passed(conn, self.app.q, horizon):
+                        for name, declared in tasks.items():
+                            stamped = await limits.stamp_waiting(conn, self.app.q, name, declared)
+                            if stamped:
+                                log.info(
+                                    "task %r: %d jobs enqueued during its declaration now count"
+                                    " against its limit", name, stamped,
+                                )  # fmt: skip
+                        return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.poll_interval)
+        except Exception as exc:  # a lost connection: the next start of a worker stamps them
+            log.warning("could not give late jobs their limit group: %s", exc)
 
     async def _deregister(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
         try:
