@@ -133,7 +133,7 @@ async def run_until_idle_async(
                 # Pending first, then the retries made due, then the worker's hands: an ack
                 # that commits a retry between any two of these is caught by the next one (a
                 # retry skipped after the look at pending jobs keeps the drain going).
-                pending = await _pending(conn, statements["pending_jobs"], served)
+                pending = await _pending(conn, statements["pending_jobs"], served, retries)
                 skipped = False
                 if retries:
                     cur = await conn.execute(statements["skip_retry_delays"], {"queues": served})
@@ -145,7 +145,7 @@ async def run_until_idle_async(
                 if idle and worker.started.is_set() and state and not state.held:
                     return await _finish(app, worker, running, recorded)
                 await asyncio.sleep(CHECK_INTERVAL)
-            pending = await _pending(conn, statements["pending_jobs"], served)
+            pending = await _pending(conn, statements["pending_jobs"], served, retries)
     except BaseException:
         worker.grace_period = 0.0
         await _stop(worker, running)
@@ -165,10 +165,10 @@ async def _stop(worker: Worker, running: asyncio.Task[None]) -> None:
 
 
 async def _pending(
-    conn: psycopg.AsyncConnection[Any], statement: bytes, queues: list[str] | None
+    conn: psycopg.AsyncConnection[Any], statement: bytes, queues: list[str] | None, retries: bool
 ) -> tuple[list[PendingJob], int]:
     """The first few jobs that keep the drain going, and how many there are."""
-    cur = await conn.execute(statement, {"queues": queues, "limit": SHOWN})
+    cur = await conn.execute(statement, {"queues": queues, "limit": SHOWN, "retries": retries})
     rows = await cur.fetchall()
     jobs = [
         PendingJob(int(r[0]), str(r[1]), str(r[2]), Status(r[3]), int(r[4]), r[5]) for r in rows

@@ -2,13 +2,16 @@
 
 -- name: pending_jobs
 -- What keeps run_until_idle from being idle: jobs of the served queues (NULL: every queue) that
--- are running, or waiting and due, outside paused queues (no worker claims those). The running
+-- are running, or waiting and due, outside paused queues (no worker claims those); with
+-- %(retries)s, every retrying job, due or not (skip_retry_delays makes it due: judged by the
+-- clock instead, a retry falling due between the two statements was neither). The running
 -- ones first, then by id; at most %(limit)s rows, each with the total count.
 SELECT id, task, queue, status::text, attempts, run_at, count(*) OVER ()
 FROM {schema}.pgqueue_jobs
 WHERE (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
   AND (status = 'running'
-       OR (status IN ('queued', 'retrying') AND run_at <= now()
+       OR ((status IN ('queued', 'retrying') AND run_at <= now()
+            OR status = 'retrying' AND %(retries)s)
            AND queue NOT IN (SELECT name FROM {schema}.pgqueue_queues WHERE paused)))
 ORDER BY status = 'running' DESC, id
 LIMIT %(limit)s
