@@ -327,7 +327,7 @@ WITH picked AS (
     WHERE j.id = p.id AND %(action)s = 'purge'
     RETURNING j.id
 ), purged_history AS (
-    DELETE FROM {schema}.pgqueue_attempts a USING purged p WHERE a.job_id = p.id
+    DELETE FROM {schema}.pgqueue_attempts WHERE job_id = ANY(ARRAY(SELECT id FROM purged))
 ), changed AS (
     SELECT id FROM requeued UNION ALL SELECT id FROM cancelled UNION ALL SELECT id FROM purged
 ), audited AS (
@@ -973,7 +973,8 @@ SELECT extract(epoch FROM least(
 -- once, at the first candidate row, before any row is locked.
 -- An attempt that did not succeed goes into pgqueue_attempts in the same statement (migration
 -- 0016), so it commits with the ack and a refused ack writes none. Its worker is read from the
--- statement's snapshot (the update clears it); a successful batch writes nothing there.
+-- statement's snapshot (the update clears it) by a subquery run per failed row only, one
+-- primary-key probe: a batch of successes inserts and reads nothing more.
 WITH done AS (
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL AND a.status <> 'succeeded'
@@ -1000,9 +1001,10 @@ RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
 ), history AS (
     INSERT INTO {schema}.pgqueue_attempts
         (job_id, attempt, worker_id, claimed_at, started_at, finished_at, outcome, error)
-    SELECT d.id, d.attempts, o.worker_id, d.claimed_at, d.started_at, statement_timestamp(),
-           d.status, left(d.error, 8000)
-    FROM done d LEFT JOIN {schema}.pgqueue_jobs o ON o.id = d.id
+    SELECT d.id, d.attempts,
+           (SELECT o.worker_id FROM {schema}.pgqueue_jobs o WHERE o.id = d.id),
+           d.claimed_at, d.started_at, statement_timestamp(), d.status, left(d.error, 8000)
+    FROM done d
     WHERE d.status <> 'succeeded'
 )
 SELECT id, waited FROM done
@@ -1198,7 +1200,9 @@ WHERE last_heartbeat_at < now() - make_interval(secs => %(older_than)s)
 -- Keeps the hot table small: succeeded and cancelled jobs past the retention window go, in
 -- bounded batches (dead jobs stay until someone requeues or deletes them). Rows locked by
 -- someone else are skipped, so pruning never holds up the reaper round it runs in.
--- Their attempts' history goes with them (pgqueue_attempts has no foreign key to cascade).
+-- Their attempts' history goes with them (pgqueue_attempts has no foreign key to cascade):
+-- `= ANY(ARRAY(...))` probes pgqueue_attempts_job_idx per id, where a join hashed the whole
+-- history table (a sequential scan of it per batch).
 WITH picked AS (
     SELECT id FROM {schema}.pgqueue_jobs
     WHERE status IN ('succeeded', 'cancelled')
@@ -1206,7 +1210,7 @@ WITH picked AS (
     LIMIT 10000
     FOR UPDATE SKIP LOCKED
 ), history AS (
-    DELETE FROM {schema}.pgqueue_attempts a USING picked p WHERE a.job_id = p.id
+    DELETE FROM {schema}.pgqueue_attempts WHERE job_id = ANY(ARRAY(SELECT id FROM picked))
 )
 DELETE FROM {schema}.pgqueue_jobs WHERE id IN (SELECT id FROM picked)
 

@@ -18,6 +18,7 @@ from pgqueue.dashboard.app import create_app
 from pgqueue.migrate import available, migrate
 from tests.dashboard_data import XSS
 from tests.helpers import register_worker, running_worker, wait_until_async
+from tests.plans import explain, nodes
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.5, "poll_interval": 0.2, "reaper_interval": 0.3}
@@ -233,3 +234,35 @@ def test_upgrading_to_16_lets_a_role_that_reads_jobs_read_their_attempts(empty_d
         finally:
             conn.execute(f"DROP OWNED BY {role}")
             conn.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize("generic", [True, False], ids=["generic", "custom"])
+def test_a_batch_of_successes_reads_and_writes_no_history(
+    app: pgqueue.App, conn: Conn, generic: bool
+) -> None:
+    """The history costs a successful ack nothing: the worker's lookup and the insert run for
+    failed rows only, and a failure's lookup is one primary-key probe."""
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, status, attempts, finished_at)"
+        " SELECT 'default', 't', 'succeeded', 1, now() FROM generate_series(1, 20000)"
+    )
+    ids = [app.enqueue("t", {}, allow_unknown=True) for _ in range(10)]  # one claim's worth
+    token = claim(app, conn, uuid.uuid4())
+    conn.execute("ANALYZE pgqueue_jobs")
+    for status, probes in (("succeeded", 0), ("retrying", len(ids))):
+        values = {
+            "lock_timeout": "100ms", "ids": ids, "tokens": [token] * len(ids),
+            "statuses": [status] * len(ids), "delays": [0.0] * len(ids),
+            "errors": ["E"] * len(ids), "results": [None] * len(ids),
+            "run_seconds": [0.1] * len(ids),
+        }  # fmt: skip
+        plan = explain(conn, app.q.complete_jobs, values, generic=generic)
+        (insert,) = [n for n in nodes(plan) if n.get("Relation Name") == "pgqueue_attempts"]
+        assert insert["Actual Rows"] == 0  # an INSERT returns nothing; its input:
+        lookups = [
+            n
+            for n in nodes(insert)
+            if n.get("Relation Name") == "pgqueue_jobs" and n["Actual Loops"] > 0
+        ]
+        assert sum(int(n["Actual Loops"]) for n in lookups) == probes, (status, lookups)
+        assert all(n["Index Name"] == "pgqueue_jobs_pkey" for n in lookups)
