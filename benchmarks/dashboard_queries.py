@@ -89,6 +89,19 @@ BUILD = [
        SELECT n, 60, ARRAY(SELECT now() - make_interval(secs => g) FROM generate_series(1, 50) g),
               array_fill(1, ARRAY[50])
        FROM unnest(ARRAY['q:q1', 't:6:task_1:']) AS n""",
+    # Attempt history (migration 0016): two failed attempts of every dead job and of every
+    # twentieth succeeded one, one of every retrying job.
+    """INSERT INTO pgqueue_attempts (job_id, attempt, worker_id, claimed_at, started_at,
+                                    finished_at, outcome, error)
+       SELECT j.id, a, '00000000-0000-4000-8000-000000000001', j.finished_at - interval '9 s',
+              j.finished_at - interval '9 s', j.finished_at - make_interval(secs => 8 - a),
+              CASE WHEN j.status = 'dead' AND a = 2 THEN 'dead' ELSE 'retrying' END,
+              'Traceback (most recent call last):\nValueError: attempt ' || a
+       FROM pgqueue_jobs j, generate_series(1, 2) a
+       WHERE j.status = 'dead' OR j.status = 'succeeded' AND j.id % 20 = 0""",
+    """INSERT INTO pgqueue_attempts (job_id, attempt, finished_at, outcome, error)
+       SELECT id, 1, now() - interval '1 min', 'lease expired', 'LeaseExpired: worker ?'
+       FROM pgqueue_jobs WHERE status = 'retrying'""",
 ]
 
 #: A blocked job after three parents (two finished), and a group's callback after 20,000
@@ -116,7 +129,7 @@ WORKFLOWS = [
        WHERE id IN (SELECT parent_id FROM pgqueue_job_deps)""",
 ]
 #: The detail page's statements (job_page.read): not part of a refresh.
-DETAIL = ("job_detail", "job_family", "job_why")
+DETAIL = ("job_detail", "job_family", "job_attempts", "job_why")
 #: Run by a refresh only when the dead total moved, and with this many dead jobs at most every
 #: 30 s (queries.DEAD_RECOUNT_SECONDS): reported on its own, not in every refresh's sum.
 OCCASIONAL = ("dead_by_queue",)
@@ -146,6 +159,7 @@ def params_for(name: str, job_id: int) -> dict[str, Any] | None:
         "finished_since": {"after": "now"},
         "job_detail": {"id": job_id},
         "job_family": {"id": job_id, "limit": job_page.FAMILY_LIMIT},
+        "job_attempts": {"id": job_id, "limit": job_page.ATTEMPTS_LIMIT + 1},
         "job_why": {"id": job_id, "late_after": 15.0},
         "depth_sampled": {"rows_per_second": stats.DEPTH_ROWS_PER_SECOND},
     }

@@ -299,8 +299,9 @@ WHERE {job_filter}
 -- One batch of a bulk action: up to %(batch)s matching jobs after id %(after)s, in id order,
 -- locked without waiting (a job being claimed or acked right now is skipped: the action's next
 -- run takes it), then changed by the action (the requeued, cancelled or purged step; the others
--- change nothing) and counted into the audit row, all in one short transaction: an interrupted action leaves every
--- batch it finished done and recorded, and no lock held. Returns the last id looked at and how
+-- change nothing; a purged job's attempts go with it) and counted into the audit row, all in
+-- one short transaction: an interrupted action leaves every batch it finished done and
+-- recorded, and no lock held. Returns the last id looked at and how
 -- many changed; the caller goes on after that id until a batch comes back short.
 WITH picked AS (
     SELECT id FROM {schema}.pgqueue_jobs
@@ -325,6 +326,8 @@ WITH picked AS (
     DELETE FROM {schema}.pgqueue_jobs j USING picked p
     WHERE j.id = p.id AND %(action)s = 'purge'
     RETURNING j.id
+), purged_history AS (
+    DELETE FROM {schema}.pgqueue_attempts WHERE job_id = ANY(ARRAY(SELECT id FROM purged))
 ), changed AS (
     SELECT id FROM requeued UNION ALL SELECT id FROM cancelled UNION ALL SELECT id FROM purged
 ), audited AS (
@@ -978,6 +981,11 @@ SELECT extract(epoch FROM least(
 -- set_config(..., true) inside the statement, which lasts until its transaction ends: no session
 -- state, so it is safe behind a transaction-pooling PgBouncer. The scalar subquery is evaluated
 -- once, at the first candidate row, before any row is locked.
+-- An attempt that did not succeed goes into pgqueue_attempts in the same statement (migration
+-- 0016), so it commits with the ack and a refused ack writes none. Its worker is read from the
+-- statement's snapshot (the update clears it) by a subquery run per failed row only, one
+-- primary-key probe: a batch of successes inserts and reads nothing more.
+WITH done AS (
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL AND a.status <> 'succeeded'
                   THEN 'cancelled' ELSE a.status END::{schema}.pgqueue_status,
@@ -998,7 +1006,18 @@ WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running'
   AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL {lock_filter}
 RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
                              THEN NOT pg_advisory_unlock(hashtext({channel}), 3)
-                             ELSE true END)
+                             ELSE true END) AS waited,
+          j.status::text AS status, j.attempts, j.claimed_at, j.started_at, a.error
+), history AS (
+    INSERT INTO {schema}.pgqueue_attempts
+        (job_id, attempt, worker_id, claimed_at, started_at, finished_at, outcome, error)
+    SELECT d.id, d.attempts,
+           (SELECT o.worker_id FROM {schema}.pgqueue_jobs o WHERE o.id = d.id),
+           d.claimed_at, d.started_at, statement_timestamp(), d.status, left(d.error, 8000)
+    FROM done d
+    WHERE d.status <> 'succeeded'
+)
+SELECT id, waited FROM done
 
 -- name: notify_finished
 -- Jobs that reached a final state (succeeded, dead, cancelled), announced to whoever waits for
@@ -1117,6 +1136,10 @@ DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s
 -- %(pause)s is a test hook (0 in production): it stalls the reaper after finding each row in
 -- its snapshot and before locking it, the window in which a completion, a new claim or an
 -- extension can land; the fault suite's reaper_race scenario plays every one of them there.
+-- The attempt taken back goes into pgqueue_attempts ('lease expired') in the same statement,
+-- with its worker and claim as locked (the find's row) and no start: started_at is written
+-- with a result, which an expired attempt never had.
+WITH reaped AS (
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
                   WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retrying' END
@@ -1135,7 +1158,7 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
                  || ' connection or gave the attempt up)',
     lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
 FROM (
-    SELECT r.id FROM {schema}.pgqueue_jobs r
+    SELECT r.id, r.worker_id, r.claimed_at FROM {schema}.pgqueue_jobs r
     WHERE r.status = 'running' AND r.claimed_at < now()
       AND CASE WHEN r.lease_expires_at IS NOT NULL THEN r.lease_expires_at < now()
                ELSE NOT EXISTS (SELECT FROM {schema}.pgqueue_workers w
@@ -1147,7 +1170,14 @@ FROM (
     FOR UPDATE OF r SKIP LOCKED
 ) expired
 WHERE j.id = expired.id
-RETURNING j.id, j.status::text, j.attempts, j.queue
+RETURNING j.id, j.status::text AS status, j.attempts, j.queue, expired.worker_id,
+          expired.claimed_at, j.last_error
+), history AS (
+    INSERT INTO {schema}.pgqueue_attempts
+        (job_id, attempt, worker_id, claimed_at, finished_at, outcome, error)
+    SELECT id, attempts, worker_id, claimed_at, now(), 'lease expired', last_error FROM reaped
+)
+SELECT id, status, attempts, queue FROM reaped
 
 -- name: expire_leases
 -- Gives attempts up that this worker can no longer see through (an ack that cannot be written,
@@ -1180,14 +1210,19 @@ WHERE last_heartbeat_at < now() - make_interval(secs => %(older_than)s)
 -- Keeps the hot table small: succeeded and cancelled jobs past the retention window go, in
 -- bounded batches (dead jobs stay until someone requeues or deletes them). Rows locked by
 -- someone else are skipped, so pruning never holds up the reaper round it runs in.
-DELETE FROM {schema}.pgqueue_jobs
-WHERE id IN (
+-- Their attempts' history goes with them (pgqueue_attempts has no foreign key to cascade):
+-- `= ANY(ARRAY(...))` probes pgqueue_attempts_job_idx per id, where a join hashed the whole
+-- history table (a sequential scan of it per batch).
+WITH picked AS (
     SELECT id FROM {schema}.pgqueue_jobs
     WHERE status IN ('succeeded', 'cancelled')
       AND finished_at < now() - make_interval(secs => %(older_than)s)
     LIMIT 10000
     FOR UPDATE SKIP LOCKED
+), history AS (
+    DELETE FROM {schema}.pgqueue_attempts WHERE job_id = ANY(ARRAY(SELECT id FROM picked))
 )
+DELETE FROM {schema}.pgqueue_jobs WHERE id IN (SELECT id FROM picked)
 
 -- ---------------------------------------------------------------------------------------------
 -- schedules

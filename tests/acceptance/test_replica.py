@@ -31,7 +31,7 @@ ROLE_SQL = [
     f"GRANT USAGE ON SCHEMA public TO {ROLE}",
     "GRANT SELECT ON pgqueue_jobs, pgqueue_workers, pgqueue_schedules, pgqueue_stats,"
     " pgqueue_depth, pgqueue_queues, pgqueue_job_deps, pgqueue_tasks, pgqueue_rates,"
-    f" pgqueue_job_waits TO {ROLE}",
+    f" pgqueue_job_waits, pgqueue_attempts TO {ROLE}",
     f"ALTER ROLE {ROLE} SET default_transaction_read_only = on",
 ]
 #: Snapshot figures that depend on rows only, not on the instant they are read.

@@ -44,7 +44,40 @@ def test_a_succeeded_job_shows_its_result_and_times(
     expect(page.locator("#job-times")).to_contain_text("Finished")
     expect(page.locator("#job-times tr", has_text="Finished")).to_contain_text("s ago")
     expect(page.locator("#job-why")).to_have_count(0)
-    expect(page.locator("#job-history")).to_contain_text("only the latest attempt is on record")
+    expect(page.locator("#job-history tr.attempt")).to_have_count(1)
+    expect(page.locator("#job-history tr.attempt")).to_contain_text("succeeded")
+
+
+def test_earlier_attempts_are_listed_with_their_errors_folded_and_inert(
+    page: Page, base_url: str, conn: Conn, app: pgqueue.App
+) -> None:
+    job = app.enqueue("report", {}, allow_unknown=True)
+    conn.execute(
+        "INSERT INTO pgqueue_attempts (job_id, attempt, worker_id, claimed_at, started_at,"
+        " finished_at, outcome, error) VALUES"
+        " (%(id)s, 1, gen_random_uuid(), now() - interval '9 s', now() - interval '9 s',"
+        "  now() - interval '8 s', 'retrying', %(error)s),"
+        " (%(id)s, 2, gen_random_uuid(), now() - interval '6 s', NULL, now() - interval '5 s',"
+        "  'lease expired', 'LeaseExpired: worker gone')",
+        {"id": job, "error": "Traceback (most recent call last):\nValueError: " + XSS},
+    )
+    conn.execute(
+        "UPDATE pgqueue_jobs SET status = 'succeeded', attempts = 3, claimed_at = now(),"
+        " started_at = now(), finished_at = now() WHERE id = %s",
+        (job,),
+    )
+    page.goto(f"{base_url}/jobs/{job}")
+    rows = page.locator("#job-history tr.attempt")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(0)).to_contain_text("retrying")
+    expect(rows.nth(1)).to_contain_text("lease expired")
+    expect(rows.nth(2)).to_contain_text("succeeded")
+    error = rows.nth(0).locator("pre.attempt-error")
+    expect(error).to_be_hidden()
+    rows.nth(0).locator("summary").click()
+    expect(error).to_contain_text("ValueError: " + XSS)
+    assert page.evaluate("window.__xss") is None
+    assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
 
 
 def test_a_dead_jobs_traceback_is_shown_as_text_and_never_runs(

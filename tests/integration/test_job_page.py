@@ -309,7 +309,8 @@ def test_a_role_granted_before_the_detail_page_still_gets_the_page(
     dsn: str, app: pgqueue.App, conn: Conn
 ) -> None:
     """The documented grants before this page (no pgqueue_tasks, pgqueue_rates,
-    pgqueue_job_waits): the page says what the role lacks instead of failing."""
+    pgqueue_job_waits, pgqueue_attempts): the page says what the role lacks instead of
+    failing."""
     role = f"pgqueue_dashboard_{uuid.uuid4().hex[:8]}"
     try:
         conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'change-me'")
@@ -326,6 +327,7 @@ def test_a_role_granted_before_the_detail_page_still_gets_the_page(
             page = client.get(f"/jobs/{job}")
             assert page.status_code == 200
             assert "cannot read what this needs" in page.text and "pgqueue_tasks" in page.text
+            assert "cannot read earlier attempts" in page.text  # pgqueue_attempts: version 16
     finally:
         conn.execute(f"DROP OWNED BY {role}")
         conn.execute(f"DROP ROLE {role}")

@@ -27,6 +27,7 @@ INDEXES = {
         "pgqueue_jobs_pkey", "pgqueue_jobs_running_idx", "pgqueue_jobs_running_limited_idx"
     },
     "pgqueue_job_deps": {"pgqueue_job_deps_pkey", "pgqueue_job_deps_child_idx"},
+    "pgqueue_attempts": {"pgqueue_attempts_job_idx"},
 }  # fmt: skip
 GROUP = 5_000
 
@@ -70,6 +71,18 @@ def shaped(conn: Conn) -> dict[str, int]:
                  (callback, GROUP))  # fmt: skip
     conn.execute("UPDATE pgqueue_jobs SET has_children = true"
                  " WHERE id IN (SELECT parent_id FROM pgqueue_job_deps)")  # fmt: skip
+    # Two failed attempts of every finished job, and many of one job that kept failing.
+    conn.execute(
+        "INSERT INTO pgqueue_attempts (job_id, attempt, worker_id, finished_at, outcome, error)"
+        " SELECT id, a, gen_random_uuid(), now() - make_interval(secs => 3 - a), 'retrying',"
+        " 'ValueError: ' || id FROM pgqueue_jobs, generate_series(1, 2) a"
+        " WHERE status = 'succeeded'"
+    )
+    conn.execute(
+        "INSERT INTO pgqueue_attempts (job_id, attempt, finished_at, outcome)"
+        " SELECT (SELECT max(id) FROM pgqueue_jobs WHERE status = 'succeeded'), a,"
+        " now() - make_interval(secs => 5000 - a), 'lease expired' FROM generate_series(3, 3000) a"
+    )
     conn.execute("VACUUM ANALYZE")
     return {
         "callback": callback,
@@ -114,7 +127,7 @@ def test_the_detail_statements_read_rows_by_index_only(
 ) -> None:
     q = queries.statements("public")
     values = {"id": shaped[job], "limit": job_page.FAMILY_LIMIT, "late_after": 15.0}
-    for name in ("job_detail", "job_family", "job_why"):
+    for name in ("job_detail", "job_family", "job_attempts", "job_why"):
         plan = explain(dashboard_session, q[name], values, generic=generic)
         _check_index_reads(plan, name)
         # A few index pages per row shown: never the 5,000 dependency rows of the group.

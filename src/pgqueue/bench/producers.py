@@ -20,7 +20,7 @@ ARGS = {"payload": "x" * 64}
 
 def reset(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE pgqueue_jobs")
+        conn.execute("TRUNCATE pgqueue_jobs, pgqueue_attempts")
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -1,9 +1,10 @@
 """One job, all of it: what /jobs/{id} shows and /api/jobs/{id} returns.
 
-Three statements, each reaching rows by primary key or a bounded index range (queries.sql:
-job_detail, job_family, job_why), in one read-only transaction so they agree. pgqueue keeps one
-row per job, updated in place: the latest attempt's error, claim and worker, not a history of
-attempts (docs/dashboard.md says what is and is not kept).
+Four statements, each reaching rows by primary key or a bounded index range (queries.sql:
+job_detail, job_family, job_attempts, job_why), in one read-only transaction so they agree. The
+job row holds the latest attempt; the attempts that did not succeed are also in
+pgqueue_attempts (migration 0016), so the page lists every attempt: those rows, then the row's
+own attempt when it is running or succeeded (docs/dashboard.md says what is kept).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ FAMILY_LIMIT = 50
 #: The JSON API's argument preview, as before the detail page existed.
 API_ARGS_PREVIEW = 8192
 BIGINT_MAX = 2**63 - 1
+#: Attempts listed per job, the latest ones (a job may allow thousands).
+ATTEMPTS_LIMIT = 100
 
 
 def parse_job_id(text: str) -> int | None:
@@ -57,6 +60,30 @@ class JsonValue:
 
 
 @dataclass
+class Attempt:
+    """One attempt as the page lists it: from pgqueue_attempts, or the job row's own."""
+
+    number: int
+    worker: str | None
+    claimed_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    outcome: str
+    error: str | None
+
+    @property
+    def short_worker(self) -> str | None:
+        return self.worker[:8] if self.worker else None
+
+    def api(self) -> dict[str, Any]:
+        return {
+            "attempt": self.number, "worker": self.worker, "claimed_at": _iso(self.claimed_at),
+            "started_at": _iso(self.started_at), "finished_at": _iso(self.finished_at),
+            "outcome": self.outcome, "error": self.error,
+        }  # fmt: skip
+
+
+@dataclass
 class JobPage:
     row: dict[str, Any]
     late_after: float = 15.0
@@ -67,6 +94,11 @@ class JobPage:
     #: None for a job that is not waiting; a note instead when the role may not read limits.
     why: list[why.Reason] | None = None
     why_unavailable: str | None = None
+    #: Oldest first; the job row's own attempt last when it is running or succeeded.
+    attempts: list[Attempt] = field(default_factory=list)
+    #: More attempts are recorded than ATTEMPTS_LIMIT: the earliest are not listed.
+    attempts_cut: bool = False
+    attempts_unavailable: str | None = None
 
     @property
     def now(self) -> datetime:
@@ -116,6 +148,24 @@ async def read(
         assert family is not None
         job.parent_count, job.child_count = int(family[0]), int(family[1])
         job.parents, job.children = _members(family[2]), _members(family[3])
+        try:
+            # A savepoint: a role without SELECT on pgqueue_attempts loses only this part.
+            async with conn.transaction():
+                cur = await conn.execute(
+                    q["job_attempts"], {"id": job_id, "limit": ATTEMPTS_LIMIT + 1}
+                )
+                history = await cur.fetchall()
+        except psycopg.errors.InsufficientPrivilege as exc:
+            history = []
+            job.attempts_unavailable = (
+                f"The dashboard's role cannot read earlier attempts ({exc.diag.message_primary})"
+                ": grant it SELECT on pgqueue_attempts as docs/dashboard.md shows."
+            )
+        job.attempts_cut = len(history) > ATTEMPTS_LIMIT
+        job.attempts = [Attempt(*row) for row in reversed(history[:ATTEMPTS_LIMIT])]
+        own = _own_attempt(job.row)
+        if own is not None:
+            job.attempts.append(own)
         if job.row["status"] in why.WAITING:
             try:
                 # A savepoint: a role without SELECT on the limit tables loses only this part.
@@ -129,6 +179,19 @@ async def read(
                     ": grant it SELECT as docs/dashboard.md shows."
                 )
     return job
+
+
+def _own_attempt(r: dict[str, Any]) -> Attempt | None:
+    """The job row's attempt, when no pgqueue_attempts row holds it: a running one, or the one
+    that succeeded (its worker is not kept: an ack clears it). A failed, cancelled or expired
+    attempt is already in the history."""
+    if r["status"] not in ("running", "succeeded") or not r["attempts"]:
+        return None
+    return Attempt(
+        number=r["attempts"], worker=r["worker"], claimed_at=r["claimed_at"],
+        started_at=r["started_at"], finished_at=r["finished_at"], outcome=r["status"],
+        error=None,
+    )  # fmt: skip
 
 
 def _members(rows: list[list[Any]] | None) -> list[dict[str, Any]]:
@@ -163,6 +226,8 @@ def api(job: JobPage) -> dict[str, Any]:
              "jobs": [{"id": i, "task": t, "status": s} for i, t, s in x.jobs]}
             for x in job.why
         ],
+        # Every attempt, oldest first ("attempts" already was the count).
+        "attempt_history": [a.api() for a in job.attempts],
     }  # fmt: skip
 
 

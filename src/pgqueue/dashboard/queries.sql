@@ -309,6 +309,16 @@ LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
 LEFT JOIN {schema}.pgqueue_schedules s ON s.name = j.schedule_name
 WHERE j.id = %(id)s
 
+-- name: job_attempts
+-- The job's attempts that did not succeed (pgqueue_attempts, migration 0016), the latest
+-- %(limit)s of them, newest first: one range of pgqueue_attempts_job_idx. Errors are kept to
+-- 8,000 characters when written.
+SELECT attempt, worker_id::text, claimed_at, started_at, finished_at, outcome, error
+FROM {schema}.pgqueue_attempts
+WHERE job_id = %(id)s
+ORDER BY finished_at DESC
+LIMIT %(limit)s
+
 -- name: job_family
 -- The jobs this one runs after (parents, in their after= order: the child index) and the jobs
 -- that run after it (children: the primary key's parent_id prefix), the first %(limit)s of each
