@@ -60,7 +60,7 @@ def register_worker(
     conn.execute(
         queries(schema).register_worker,
         {"worker_id": worker_id, "host": "test", "pid": 1, "queues": None, "concurrency": 1,
-         "lease": lease},
+         "lease": lease, "tasks": None},
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from .errors import (
     UnknownTaskError,
     WaitTimeoutError,
 )
-from .jobs import CancelResult, Enqueued, Job, Status
+from .jobs import Attempt, CancelResult, Enqueued, Job, Status
 from .logcontext import JobLogFilter
 from .tasks import Task
 
@@ -34,6 +34,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "App",
+    "Attempt",
     "Backoff",
     "CancelResult",
     "CancelledByRequest",

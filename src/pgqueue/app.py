@@ -30,7 +30,7 @@ from . import (
 from . import unique as uniqueness
 from .backoff import Backoff
 from .errors import ConfigurationError, InvalidJobError, JobNotFoundError, UnknownTaskError
-from .jobs import CancelResult, Enqueued, Job
+from .jobs import Attempt, CancelResult, Enqueued, Job
 from .limits import LimitKey, RateSpec, TaskLimits
 from .migrate import migrate as apply_migrations
 from .schedules import DEFAULT_MAX_CATCHUP, Schedule, declare
@@ -730,6 +730,24 @@ class App:
             lambda conn: conn.execute(self.q.get_job, {"id": job_id}).fetchone(), read_only=True
         )
         return Job.from_row(row) if row else None
+
+    def job_attempts(self, job_id: int, *, limit: int = 1000) -> list[Attempt]:
+        """Every attempt of job ``job_id``, oldest first: the failed, cancelled and expired ones
+        from the attempt history (the latest ``limit`` of them), then the running or succeeded
+        one. Empty for a job that never ran, and for an id with no job or history. A requeue
+        starts the numbering again at 1; attempts that ended before schema version 16 were not
+        recorded."""
+        job_id = _job_id(job_id)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(f"limit must be a positive whole number, got {limit!r}")
+        rows = self._sync_pool().run(
+            lambda conn: conn.execute(
+                self.q.job_attempts, {"id": job_id, "limit": limit}
+            ).fetchall(),
+            read_only=True,
+        )
+        ordered = sorted(rows, key=lambda r: (r[7], r[5] is None, r[5]))
+        return [Attempt(*row[:7]) for row in ordered]
 
     def wait(self, job_id: int, timeout: float | None = None) -> Any:
         """Block until job ``job_id`` finishes and return its result (the handler's return

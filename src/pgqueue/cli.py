@@ -23,7 +23,7 @@ from .bench.cli import bench_command
 from .db import validate_schema
 from .embedded import BACKENDS
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
-from .jobs import CancelResult
+from .jobs import Attempt, CancelResult
 from .logcontext import JobLogFilter
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT, migration_script
 from .operations import STATUSES as JOB_STATUSES
@@ -446,13 +446,18 @@ def audit(limit: int, as_json: bool, dsn: str | None, schema: str) -> None:
 @db_options
 @friendly_errors
 def job(job_id: int, as_json: bool, dsn: str | None, schema: str) -> None:
-    """Show one job."""
-    found = make_app(dsn, schema).get_job(job_id)
+    """Show one job, with every attempt it made."""
+    app = make_app(dsn, schema)
+    found = app.get_job(job_id)
     if found is None:
         click.echo(f"error: job {job_id} does not exist", err=True)
         sys.exit(1)
     fields = {k: getattr(found, k) for k in found.__dataclass_fields__}
+    history = app.job_attempts(job_id)
     if as_json:
+        fields["attempt_history"] = [
+            {k: getattr(a, k) for k in a.__dataclass_fields__} for a in history
+        ]
         click.echo(json.dumps(fields, default=str, indent=2, ensure_ascii=False))
         return
     for key, value in fields.items():
@@ -466,6 +471,25 @@ def job(job_id: int, as_json: bool, dsn: str | None, schema: str) -> None:
             click.echo("  " + text.replace("\n", "\n  "))
         else:
             click.echo(f"{key}: {text}")
+    if history:
+        click.echo("attempt history:")
+    for attempt in history:
+        echo_attempt(attempt)
+
+
+def echo_attempt(attempt: Attempt) -> None:
+    """One attempt: number, outcome, when it started and how long it ran, its worker; then its
+    error, indented."""
+    began = attempt.started_at or attempt.claimed_at
+    when = f"{began.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC" if began else "not started"
+    line = f"  #{attempt.number} {attempt.outcome:<13} {when}"
+    if began and attempt.finished_at:
+        line += f"  ran {(attempt.finished_at - began).total_seconds():.3f} s"
+    if attempt.worker_id:
+        line += f"  worker {str(attempt.worker_id)[:8]}"
+    click.echo(line)
+    if attempt.error:
+        click.echo("      " + attempt.error.rstrip().replace("\n", "\n      "))
 
 
 STATUSES = ("queued", "running", "retrying", "succeeded", "dead", "cancelled", "blocked")

@@ -73,6 +73,24 @@ class Job:
         return cls(*values)
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One attempt of a job, as ``App.job_attempts`` lists them.
+
+    ``outcome`` is what the job became after it: ``retrying``, ``dead`` or ``cancelled`` (its
+    handler failed or it was cancelled), ``lease expired`` (a reaper took it back), or, for the
+    job's latest attempt only, ``running`` or ``succeeded``. ``worker_id`` is None for a
+    succeeded attempt (the ack clears it)."""
+
+    number: int
+    outcome: str
+    worker_id: UUID | None
+    claimed_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+
+
 class CancelResult(enum.StrEnum):
     """What ``App.cancel`` did. True in a boolean context unless the job had already finished."""
 

@@ -232,6 +232,21 @@ SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 2)
             THEN pg_advisory_unlock(hashtext({channel}), 2)
             ELSE false END
 
+-- name: job_attempts
+-- Every attempt of a job, as App.job_attempts lists them: the latest %(limit)s of those that did
+-- not succeed (pgqueue_attempts, migration 0016: one range of pgqueue_attempts_job_idx), and the
+-- job row's own attempt when it is running or succeeded (no history row holds that one; an ack
+-- clears the worker). The last column tells them apart; one statement, so both are one snapshot.
+(SELECT attempt, outcome, worker_id, claimed_at, started_at, finished_at, error, false
+ FROM {schema}.pgqueue_attempts
+ WHERE job_id = %(id)s
+ ORDER BY finished_at DESC
+ LIMIT %(limit)s)
+UNION ALL
+SELECT attempts, status::text, worker_id, claimed_at, started_at, finished_at, NULL, true
+FROM {schema}.pgqueue_jobs
+WHERE id = %(id)s AND status IN ('running', 'succeeded') AND attempts > 0
+
 -- name: get_job
 -- A running job's lease is its worker's (migration 0005) unless it carries its own.
 SELECT j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.status::text, j.attempts,
@@ -1108,9 +1123,10 @@ WHERE j.status = 'running' AND j.worker_id = %(worker_id)s
 
 -- name: register_worker
 -- The worker's lease starts here: claims need it live (claim_jobs).
-INSERT INTO {schema}.pgqueue_workers AS w (id, host, pid, queues, concurrency, lease_expires_at)
+INSERT INTO {schema}.pgqueue_workers AS w
+    (id, host, pid, queues, concurrency, lease_expires_at, tasks)
 VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s,
-        now() + make_interval(secs => %(lease)s))
+        now() + make_interval(secs => %(lease)s), %(tasks)s)
 ON CONFLICT (id) DO UPDATE
 SET last_heartbeat_at = now(), lease_expires_at = EXCLUDED.lease_expires_at
 

@@ -125,6 +125,7 @@ class Queries:
     announce_waiting: bytes
     withdraw_waiting: bytes
     enqueuers_settled: bytes
+    job_attempts: bytes
     get_job: bytes
     requeue_job: bytes
     cancel_job: bytes

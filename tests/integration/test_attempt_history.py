@@ -4,16 +4,19 @@ job, and listed on the job page and in /api/jobs/{id}."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from starlette.testclient import TestClient
 
 import pgqueue
 from pgqueue import operations
+from pgqueue.cli import main
 from pgqueue.dashboard.app import create_app
 from pgqueue.migrate import available, migrate
 from tests.dashboard_data import XSS
@@ -109,6 +112,40 @@ async def test_a_job_failing_twice_then_succeeding_lists_three_attempts(
     page = client.get(f"/jobs/{job_id}").text
     assert page.count('class="attempt"') == 3
     assert str(worker_id)[:8] in page and "boom 2" in page
+    # The same history from Python and from the command line.
+    listed = app.job_attempts(job_id)
+    assert [(a.number, a.outcome, a.worker_id) for a in listed] == [
+        (1, "retrying", worker_id), (2, "retrying", worker_id), (3, "succeeded", None)
+    ]  # fmt: skip
+    assert listed[1].error is not None and "ValueError: boom 2" in listed[1].error
+    assert all(a.started_at and a.finished_at for a in listed)
+    assert [a.number for a in app.job_attempts(job_id, limit=1)] == [2, 3]
+    shown = CliRunner().invoke(main, ["job", str(job_id), "--dsn", app.dsn])
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.split("attempt history:\n")[1].splitlines()
+    assert lines[0].startswith("  #1 retrying") and f"worker {str(worker_id)[:8]}" in lines[0]
+    assert "ValueError: boom 1" in shown.output.split("#2 retrying")[0].split("#1 retrying")[1]
+    assert any(line.startswith("  #3 succeeded") and " ran " in line for line in lines)
+    as_json = json.loads(
+        CliRunner().invoke(main, ["job", str(job_id), "--json", "--dsn", app.dsn]).output
+    )
+    assert [a["outcome"] for a in as_json["attempt_history"]] == [
+        "retrying",
+        "retrying",
+        "succeeded",
+    ]
+
+
+def test_job_attempts_of_a_job_that_never_ran_or_does_not_exist(app: pgqueue.App) -> None:
+    job_id = app.enqueue("t", {}, allow_unknown=True)
+    assert app.job_attempts(job_id) == []
+    assert app.job_attempts(987654321) == []
+    with pytest.raises(pgqueue.InvalidJobError, match="positive integer"):
+        app.job_attempts(0)
+    with pytest.raises(pgqueue.ConfigurationError, match="limit must be"):
+        app.job_attempts(job_id, limit=0)
+    shown = CliRunner().invoke(main, ["job", str(job_id), "--dsn", app.dsn])
+    assert shown.exit_code == 0 and "attempt history" not in shown.output
 
 
 def test_a_reaped_lease_records_lease_expired_with_its_worker(app: pgqueue.App, conn: Conn) -> None:
@@ -226,7 +263,7 @@ def test_upgrading_to_16_lets_a_role_that_reads_jobs_read_their_attempts(empty_d
             pytest.skip("this test server does not let the test user create roles")
         try:
             conn.execute(f"GRANT SELECT ON pgqueue_jobs TO {role}")
-            assert migrate(conn) == [16]
+            assert migrate(conn, migrations=[m for m in available() if m.version <= 16]) == [16]
             granted = conn.execute(
                 "SELECT has_table_privilege(%s, 'pgqueue_attempts', 'SELECT')", (role,)
             ).fetchone()

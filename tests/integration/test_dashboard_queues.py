@@ -97,6 +97,31 @@ def test_a_queue_says_why_its_waiting_jobs_do_not_run(
     assert "limit of 0" in why["capped"]["text"]
 
 
+def test_a_queue_whose_next_jobs_no_serving_worker_has(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, run_at, priority) VALUES"
+        " ('mail', 'report', now(), 0), ('mail', 'digest', now(), 5),"
+        " ('mail', 'send', now() + interval '1 hour', 0)"
+    )
+    conn.execute(
+        "INSERT INTO pgqueue_workers (id, host, pid, queues, concurrency, lease_expires_at, tasks)"
+        " VALUES (gen_random_uuid(), 'h', 1, ARRAY['mail'], 4, now() + interval '30 seconds',"
+        " ARRAY['send'])"
+    )
+    why = _by_queue(_snapshot(dsn))["mail"]["why"]
+    # The due heads of each priority are named; the task of a job not yet due is not.
+    assert why["code"] == "unknown_task"
+    assert "('digest', 'report')" in why["text"]
+    assert _by_queue(_snapshot(dsn))["mail"]["workers"]
+    # A serving worker that has one of them would run that one: not the reason then.
+    conn.execute("UPDATE pgqueue_workers SET tasks = ARRAY['send', 'digest']")
+    assert _by_queue(_snapshot(dsn))["mail"]["why"]["code"] == "ready"
+    conn.execute("UPDATE pgqueue_workers SET tasks = NULL")
+    assert _by_queue(_snapshot(dsn))["mail"]["why"]["code"] == "ready"
+
+
 def test_an_open_transaction_holding_a_snapshot_is_named_then_goes(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:

@@ -35,14 +35,20 @@ def client(dsn: str) -> Iterator[TestClient]:
 
 
 def worker(
-    conn: Conn, *, queues: list[str] | None = None, concurrency: int = 4, lease: float = 30
+    conn: Conn,
+    *,
+    queues: list[str] | None = None,
+    concurrency: int = 4,
+    lease: float = 30,
+    tasks: list[str] | None = None,
 ) -> uuid.UUID:
-    """A live worker, registered as a worker registers itself."""
+    """A live worker, registered as a worker registers itself (``tasks`` None: as a worker from
+    before the workers' tasks were recorded)."""
     worker_id = uuid.uuid4()
     conn.execute(
         queries("public").register_worker,
         {"worker_id": worker_id, "host": "box", "pid": 7, "queues": queues,
-         "concurrency": concurrency, "lease": lease},
+         "concurrency": concurrency, "lease": lease, "tasks": tasks},
     )  # fmt: skip
     return worker_id
 
@@ -85,6 +91,27 @@ def test_no_worker_at_all_then_none_for_this_queue(
     conn.execute("UPDATE pgqueue_workers SET queues = NULL,"
                  " last_heartbeat_at = now() - interval '1 minute'")  # fmt: skip
     assert why(client, job) == ["no_worker"]
+
+
+def test_a_task_no_serving_worker_has(client: TestClient, app: pgqueue.App, conn: Conn) -> None:
+    job = app.enqueue("report", {}, queue="mail", allow_unknown=True)
+    worker(conn, queues=["mail"], tasks=["send", "bounce"])
+    # A worker of another queue that has the task does not serve this job.
+    worker(conn, queues=["other"], tasks=["report"])
+    reasons = client.get(f"/api/jobs/{job}").json()["why"]
+    assert [r["code"] for r in reasons] == ["unknown_task"]
+    assert "'report' is unknown to every live worker that serves its queue" in reasons[0]["text"]
+    assert "unknown to every live worker" in client.get(f"/jobs/{job}").text
+    # Not yet due as well: both are said, the missing code first.
+    later = app.enqueue("report", {}, queue="mail", delay=120, allow_unknown=True)
+    assert why(client, later) == ["unknown_task", "not_due"]
+    # One serving worker with the task is enough; so is one from before tasks were recorded.
+    added = worker(conn, queues=["mail"], tasks=["report"])
+    assert why(client, job) == ["ready"]
+    conn.execute("DELETE FROM pgqueue_workers WHERE id = %s", (added,))
+    assert why(client, job) == ["unknown_task"]
+    worker(conn, queues=None, tasks=None)
+    assert why(client, job) == ["ready"]
 
 
 def test_a_job_not_due_yet_says_when(client: TestClient, app: pgqueue.App, conn: Conn) -> None:
@@ -382,3 +409,33 @@ async def test_the_reasons_follow_a_real_worker(dsn: str, app: pgqueue.App) -> N
         await wait_until_async(lambda: status(third) == "succeeded")
         fourth = hold.enqueue(n=4)
         assert await reasons(fourth) == ["queue_rate"]
+
+
+async def test_a_real_worker_records_its_tasks_and_leaves_unknown_ones_waiting(
+    dsn: str, app: pgqueue.App
+) -> None:
+    """The worker writes the tasks its code has when it starts; a job of another task, which it
+    gives back unrun, is explained on the page rather than called free."""
+
+    @app.task
+    async def known() -> None: ...
+
+    async def reasons(job_id: int) -> list[str]:
+        database = Database(dsn)
+        try:
+            async with database.session() as c:
+                job = await job_page.read(c, "public", job_id)
+        finally:
+            await database.close()
+        assert job is not None
+        return [r.code for r in job.why or ()]
+
+    ghost = app.enqueue("ghost", {}, allow_unknown=True)
+    async with running_worker(app, concurrency=2, **BEAT):
+        done = known.enqueue()
+        await wait_until_async(
+            lambda: (j := app.get_job(done)) is not None and j.status == "succeeded"
+        )
+        assert await reasons(ghost) == ["unknown_task"]
+        job = app.get_job(ghost)
+        assert job is not None and job.status == "queued" and job.attempts == 0

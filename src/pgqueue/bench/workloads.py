@@ -254,7 +254,7 @@ def claim_ms(dsn: str, by_priority: bool) -> float:
         conn.execute(
             q.register_worker,
             {"worker_id": worker, "host": "bench", "pid": 0, "queues": None, "concurrency": 1,
-             "lease": 3600.0},
+             "lease": 3600.0, "tasks": None},
         )  # fmt: skip
         conn.commit()
         for n in range(CLAIM_WARMUP + CLAIM_SAMPLES):

@@ -129,6 +129,7 @@ def worker_row(row: Sequence[Any], late_after: float) -> dict[str, Any]:
     age = float(row[6])
     lease = float(row[9]) if len(row) > 9 and row[9] is not None else None
     lease_left = float(row[10]) if len(row) > 10 and row[10] is not None else None
+    tasks = row[11] if len(row) > 11 else None
     return {
         "id": row[0],
         "host": row[1],
@@ -141,6 +142,8 @@ def worker_row(row: Sequence[Any], late_after: float) -> dict[str, Any]:
         "leases": int(row[8]),
         "late": age > late_after,
         "lease": lease,
+        # The tasks its code has (None: not recorded, a worker from before migration 0017).
+        "tasks": list(tasks) if tasks is not None else None,
         # What a claim needs (queries.sql, job_why): a recent heartbeat and a lease in force.
         "live": age <= late_after and (lease_left is None or lease_left > 0),
     }
@@ -160,10 +163,12 @@ def queue_table(
     heads: Mapping[str, float],
     settings: Mapping[str, Any],
     workers: Sequence[Mapping[str, Any]],
+    head_tasks: Mapping[str, Sequence[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per queue that has jobs, dead jobs, recent throughput or an operator's setting.
     ``oldest`` is how long its oldest due job has waited (negative: none is due yet, the next
-    is due in that long); ``workers`` are the live workers that serve it (their ids)."""
+    is due in that long); ``workers`` are the live workers that serve it (their ids);
+    ``head_tasks`` the tasks of each queue's due heads (queries.sql, queue_heads)."""
     names = sorted(set(depth) | set(dead) | set(finished) | set(settings))
     rows = []
     for q in names:
@@ -197,12 +202,24 @@ def queue_table(
                 live_queues=sorted({n for w in workers if w["live"] for n in w["queues"] or ()}),
                 serving=[(w["leases"], w["concurrency"]) for w in serving],
                 due_in=-oldest if oldest is not None else None,
+                unknown_tasks=unknown_tasks(serving, (head_tasks or {}).get(q, ())),
                 setting=setting,
                 running=running,
             )[0]
             row["why"] = {"code": reason.code, "text": reason.text}
         rows.append(row)
     return rows
+
+
+def unknown_tasks(serving: Sequence[Mapping[str, Any]], tasks: Sequence[str]) -> list[str]:
+    """``tasks`` (a queue's next jobs') when no worker in ``serving`` has any of them, else
+    none: one it has would run. A worker whose tasks are not recorded counts as having all."""
+    known: set[str] = set()
+    for worker in serving:
+        if worker.get("tasks") is None:
+            return []
+        known.update(worker["tasks"])
+    return [] if known & set(tasks) else sorted(set(tasks))
 
 
 def health(

@@ -65,6 +65,8 @@ class Reading:
     queue_pickup: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
     #: now - the earliest run_at of each queue's waiting jobs (negative: none due yet).
     heads: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The tasks of each queue's due heads (the first job of each priority).
+    head_tasks: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     dead: DeadCounts | None = None
     #: (pid, application_name, state, xact age, query age, query, xmin age) of the oldest
     #: transaction holding back vacuum past the threshold, if any.
@@ -115,7 +117,9 @@ async def read(
         if kind == "pickup":
             stats.merge(queue_pickup.setdefault(str(queue), {}), {int(index): int(count)})
     queue_finished = {str(r[0]): int(r[1]) for r in await _all(conn, q["queue_throughput"])}
-    heads = {str(r[0]): float(r[1]) for r in await _all(conn, q["queue_heads"])}
+    head_rows = await _all(conn, q["queue_heads"])
+    heads = {str(r[0]): float(r[1]) for r in head_rows}
+    head_tasks = {str(r[0]): list(r[2]) for r in head_rows if r[2]}
     samples = await _all(conn, q["depth_history"])
     workers = [figures.worker_row(r, late_after) for r in await _all(conn, q["workers"])]
     running = [
@@ -177,6 +181,7 @@ async def read(
         queue_finished=queue_finished,
         queue_pickup=queue_pickup,
         heads=heads,
+        head_tasks=head_tasks,
         dead=dead,
         oldest_transaction=tuple(activity[1]) if activity[1] is not None else None,
         hidden_sessions=int(activity[0]),

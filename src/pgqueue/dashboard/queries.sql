@@ -81,25 +81,28 @@ GROUP BY queue
 -- Each queue's earliest run_at among its waiting jobs, without reading them all: a skip scan of
 -- the ready-per-queue index (queue, priority DESC, run_at, id), one descent per (queue,
 -- priority) pair, whose first entry is that pair's earliest. Positive: how long the oldest due
--- job has waited; negative: nothing is due yet, the next is due in that long.
+-- job has waited; negative: nothing is due yet, the next is due in that long. Then the tasks of
+-- the due heads (why.queue_reasons: no serving worker may have them).
 WITH RECURSIVE heads AS (
-    (SELECT queue, priority, run_at FROM {schema}.pgqueue_jobs
+    (SELECT queue, priority, run_at, task FROM {schema}.pgqueue_jobs
      WHERE status IN ('queued', 'retrying')
      ORDER BY queue, priority DESC, run_at, id LIMIT 1)
     UNION ALL
-    SELECT n.queue, n.priority, n.run_at
+    SELECT n.queue, n.priority, n.run_at, n.task
     FROM heads h, LATERAL (
-        (SELECT queue, priority, run_at FROM {schema}.pgqueue_jobs
+        (SELECT queue, priority, run_at, task FROM {schema}.pgqueue_jobs
          WHERE status IN ('queued', 'retrying') AND queue = h.queue AND priority < h.priority
          ORDER BY queue, priority DESC, run_at, id LIMIT 1)
         UNION ALL
-        (SELECT queue, priority, run_at FROM {schema}.pgqueue_jobs
+        (SELECT queue, priority, run_at, task FROM {schema}.pgqueue_jobs
          WHERE status IN ('queued', 'retrying') AND queue > h.queue
          ORDER BY queue, priority DESC, run_at, id LIMIT 1)
         LIMIT 1
     ) n
 )
-SELECT queue, extract(epoch FROM now() - min(run_at))::float8 FROM heads GROUP BY queue
+SELECT queue, extract(epoch FROM now() - min(run_at))::float8,
+       array_agg(DISTINCT task) FILTER (WHERE run_at <= now())
+FROM heads GROUP BY queue
 
 -- name: dead_by_queue
 -- Dead jobs per queue. The dead index has no queue, so this reads every dead row (6 ms for
@@ -123,7 +126,7 @@ SELECT w.id::text, w.host, w.pid, w.queues, w.concurrency,
        extract(epoch FROM now() - w.last_heartbeat_at)::float8,
        w.stale_writes, COALESCE(r.held, 0)::bigint,
        extract(epoch FROM w.lease_expires_at - w.last_heartbeat_at)::float8,
-       extract(epoch FROM w.lease_expires_at - now())::float8
+       extract(epoch FROM w.lease_expires_at - now())::float8, w.tasks
 FROM {schema}.pgqueue_workers w
 LEFT JOIN (
     SELECT worker_id, count(*) AS held FROM {schema}.pgqueue_jobs
@@ -347,18 +350,20 @@ SELECT (SELECT count(*) FROM (SELECT FROM {schema}.pgqueue_job_deps
 -- the fleet's concurrency): leases held per serving worker, and the queue's running count when
 -- it has a limit. The task's group count is one probe of pgqueue_jobs_running_limited_idx;
 -- queue, task, wait and rate-log rows are primary-key probes. A blocked job's unfinished
--- parents: its count from pgqueue_job_waits, and the first 10 of its first 1,000 parents.
+-- parents: its count from pgqueue_job_waits, and the first 10 of its first 1,000 parents. Last,
+-- whether a serving worker has the job's task (pgqueue_workers.tasks; NULL: a worker from before
+-- migration 0017, which counts as having every task).
 WITH job AS (
     SELECT j.id, j.queue, j.task, j.status::text AS status, j.run_at, j.limit_key
     FROM {schema}.pgqueue_jobs j WHERE j.id = %(id)s
 ), live AS (
-    SELECT w.id, w.queues, w.concurrency FROM {schema}.pgqueue_workers w
+    SELECT w.id, w.queues, w.concurrency, w.tasks FROM {schema}.pgqueue_workers w
     WHERE w.last_heartbeat_at >= now() - make_interval(secs => %(late_after)s)
       AND (w.lease_expires_at IS NULL OR w.lease_expires_at > now())
 ), running AS MATERIALIZED (
     SELECT r.worker_id, r.queue FROM {schema}.pgqueue_jobs r WHERE r.status = 'running'
 ), serving AS (
-    SELECT l.id, l.concurrency, COALESCE(h.n, 0) AS held
+    SELECT l.id, l.concurrency, l.tasks, COALESCE(h.n, 0) AS held
     FROM live l JOIN job ON l.queues IS NULL OR job.queue = ANY(l.queues)
     LEFT JOIN (SELECT worker_id, count(*) AS n FROM running GROUP BY worker_id) h
            ON h.worker_id = l.id
@@ -397,7 +402,8 @@ SELECT job.status, extract(epoch FROM job.run_at - now())::float8,
                         WHERE child_id = job.id ORDER BY position, parent_id LIMIT 1000) d
                   JOIN {schema}.pgqueue_jobs p ON p.id = d.parent_id
                   WHERE p.status::text NOT IN ('succeeded', 'dead', 'cancelled')
-                  ORDER BY d.position, p.id LIMIT 10) u) END
+                  ORDER BY d.position, p.id LIMIT 10) u) END,
+       job.task, EXISTS (SELECT FROM serving s WHERE s.tasks IS NULL OR job.task = ANY(s.tasks))
 FROM job
 LEFT JOIN {schema}.pgqueue_queues q ON q.name = job.queue
 LEFT JOIN {schema}.pgqueue_tasks t ON t.name = job.task

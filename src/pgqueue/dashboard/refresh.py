@@ -196,6 +196,7 @@ class Refresher:
                 finished=r.queue_finished,
                 pickup=r.queue_pickup,
                 heads=r.heads,
+                head_tasks=r.head_tasks,
                 settings=r.settings,
                 workers=r.workers,
             ),

@@ -1,12 +1,12 @@
 """Why isn't it running? The reasons a waiting job is not claimed, from one ``job_why`` row.
 
 Every check mirrors what a claim requires (queries.sql, claim_jobs and claim_limited_jobs), in
-the order a user would act on them: the parents it waits for, a worker for its queue, its due
-time, an operator's pause, a queue's limit or rate, its task's, and free slots. All that apply
-are returned; the first is the answer. Two things are not known to the database and so never
-given as a reason: which tasks a worker's code has (workers record their queues, not their
-tasks), and a worker's prefetch (a busy worker may still hold a claimed job that waits for a
-slot).
+the order a user would act on them: the parents it waits for, a worker for its queue, a worker
+that has its task (workers record their tasks at start: a worker gives back, unrun, jobs of tasks
+its code lacks), its due time, an operator's pause, a queue's limit or rate, its task's, and free
+slots. All that apply are returned; the first is the answer. One thing is not known to the
+database and so never given as a reason: a worker's prefetch (a busy worker may still hold a
+claimed job that waits for a slot).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def reasons(row: Sequence[Any]) -> list[Reason]:
     when none does."""
     (status, due_in, live, live_queues, serving, slots, busy, paused, q_limit, q_rate,
      q_period, q_running, q_used, t_limit, t_rate, t_period, per_key, limit_key, t_running,
-     t_used, waiting, failed_parent, after_failure, unfinished) = row  # fmt: skip
+     t_used, waiting, failed_parent, after_failure, unfinished, task, known) = row  # fmt: skip
     found: list[Reason] = []
     if status == "blocked":
         found.append(_blocked(waiting, failed_parent, after_failure, unfinished))
@@ -50,6 +50,8 @@ def reasons(row: Sequence[Any]) -> list[Reason]:
             "no_worker_for_queue",
             f"No live worker serves its queue (the live workers serve: {served}).",
         ))  # fmt: skip
+    elif not known:
+        found.append(_unknown_task(task, "its queue"))
     if due_in is not None and due_in > 0 and status != "blocked":
         what = "Its retry is" if status == "retrying" else "It is"
         found.append(Reason("not_due", f"{what} due in {duration(due_in)}."))
@@ -85,6 +87,14 @@ def _blocked(
     if failed_parent is not None and after_failure == "run":
         text += f" Job #{failed_parent} failed; this one runs anyway (after_failure='run')."
     return Reason("blocked", text, jobs)
+
+
+def _unknown_task(task: str, where: str) -> Reason:
+    return Reason(
+        "unknown_task",
+        f"Its task {task!r} is unknown to every live worker that serves {where}: they leave "
+        "its jobs for a worker whose code registers it (deploy one, or check the task's name).",
+    )
 
 
 def _at_limit(running: int, limit: int) -> str:
@@ -123,10 +133,12 @@ def queue_reasons(
     due_in: float | None,
     setting: Any,
     running: int,
+    unknown_tasks: Sequence[str] = (),
 ) -> list[Reason]:
     """Why a queue's waiting jobs are not running: the job page's checks that belong to the
-    queue, in the same order (no worker, none serving it, not due, paused, its limit, its rate,
-    busy workers). ``serving`` is (leases, concurrency) of each live worker serving it;
+    queue, in the same order (no worker, none serving it, no serving worker has its due jobs'
+    tasks, not due, paused, its limit, its rate, busy workers). ``unknown_tasks`` are the tasks
+    of its due heads (the first job of each priority) that no serving worker has. ``serving`` is (leases, concurrency) of each live worker serving it;
     ``due_in`` the seconds until its earliest waiting job is due; ``setting`` its
     ``queries.QueueSetting`` or None. ``[QUEUE_READY]`` when none applies."""
     found: list[Reason] = []
@@ -136,6 +148,13 @@ def queue_reasons(
         served = ", ".join(live_queues) if live_queues else "none"
         found.append(Reason(
             "no_worker_for_queue", f"No live worker serves it (they serve: {served}).",
+        ))  # fmt: skip
+    elif unknown_tasks:
+        names = ", ".join(repr(t) for t in unknown_tasks)
+        found.append(Reason(
+            "unknown_task",
+            f"The task of its next jobs ({names}) is unknown to every live worker that serves "
+            "it: they leave those jobs for a worker whose code registers the task.",
         ))  # fmt: skip
     if due_in is not None and due_in > 0:
         found.append(

@@ -427,6 +427,7 @@ class Worker:
                     "queues": self.queues,
                     "concurrency": self.concurrency,
                     "lease": self.lease,
+                    "tasks": sorted(self.app.tasks),
                 },
             )
         self.heartbeat.extended(sent_at)
