@@ -85,6 +85,8 @@ class Result:
     stale_rejected: int
     stale_accepted: int
     zombie_attempts: int
+    #: Zombie attempts whose handler logged its start: the worker surely held those.
+    zombie_attempts_started: int
     attempts_exceeded: int
     duplicate_unique: int
     limited_jobs: int
@@ -391,6 +393,15 @@ def check(
         " WHERE NOT (c.new_worker = ANY(%s))",
         (list(killed),),
     )
+    zombie_attempts_started = _one(
+        conn,
+        "SELECT count(*) FROM history_reaps r"
+        " JOIN history_transitions c ON c.job_id = r.job_id AND c.new_token = r.old_token"
+        " AND c.new_status = 'running'"
+        " WHERE NOT (c.new_worker = ANY(%s)) AND EXISTS (SELECT FROM history_runs s"
+        " WHERE s.job_id = r.job_id AND s.lease_token = r.old_token AND s.event = 'start')",
+        (list(killed),),
+    )
     unexplained = history.unexplained_duplicates(conn, failures_explain=failures_explain)
     recovery = recovery_times(conn, faults)
     limited = limit_findings(conn, limits)
@@ -406,6 +417,7 @@ def check(
         stale_rejected=_one(conn, "SELECT coalesce(sum(lost), 0) FROM pgqueue_stats"),
         stale_accepted=stale_accepted,
         zombie_attempts=zombie_attempts,
+        zombie_attempts_started=zombie_attempts_started,
         attempts_exceeded=_one(
             conn, "SELECT count(*) FROM pgqueue_jobs WHERE attempts > max_attempts"
         ),
