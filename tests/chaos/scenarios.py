@@ -623,9 +623,7 @@ SCENARIOS = {
             durability_checks,
             failures_explain=True,
         ),
-        Scenario(
-            "blackhole", "network blackhole worker <-> PostgreSQL", blackhole, cut_off_checks
-        ),
+        Scenario("blackhole", "network blackhole worker <-> PostgreSQL", blackhole, cut_off_checks),
         Scenario("reaper_race", "reaper paused between find and update", reaper_race, race_checks),
         Scenario(
             "poison",
