@@ -17,7 +17,7 @@ FREE: dict[str, Any] = {
     "slots": 4, "busy": 0, "paused": False, "q_limit": None, "q_rate": None, "q_period": None,
     "q_running": None, "q_used": None, "t_limit": None, "t_rate": None, "t_period": None,
     "per_key": None, "limit_key": None, "t_running": None, "t_used": None, "waiting": None,
-    "failed_parent": None, "after_failure": None, "unfinished": None,
+    "failed_parent": None, "after_failure": None, "unfinished": None, "task": "t", "known": True,
 }  # fmt: skip
 
 
@@ -58,6 +58,9 @@ def test_every_reason_that_applies_in_the_order_a_user_acts_on_them() -> None:
     assert everything == ["blocked", "no_worker", "paused", "queue_limit", "queue_rate",
                           "task_limit", "task_rate"]  # fmt: skip
     assert codes(due_in=60.0, serving=1, busy=4) == ["not_due", "workers_busy"]
+    # No serving worker has its task: said after the workers' absence, before everything else.
+    assert codes(known=False, due_in=60.0, paused=True) == ["unknown_task", "not_due", "paused"]
+    assert codes(known=False, serving=0) == ["no_worker_for_queue"]
     assert codes(serving=0, live_queues=["a", "b"]) == ["no_worker_for_queue"]
 
 
