@@ -25,6 +25,7 @@ from . import (
     queues,
     results,
     schedules,
+    wire,
     workflows,
 )  # fmt: skip
 from . import unique as uniqueness
@@ -538,7 +539,7 @@ class App:
             return producer.insert(connections.sync_connection(connection), self.q, row)
         if self._coalescer is not None and coalescing.batchable(row):
             return self._coalescer.enqueue(row)
-        return self._sync_pool().run(lambda conn: producer.insert(conn, self.q, row))
+        return self._sync_pool().run(lambda conn: wire.pooled_insert(conn, self.q, row))
 
     @_published_async("enqueue")
     async def enqueue_async(
@@ -586,7 +587,7 @@ class App:
         if self._coalescer is not None and coalescing.batchable(row):
             return await self._coalescer.enqueue_async(row)
         pool = await self._async_pool()
-        return await pool.run(lambda conn: producer.insert_async(conn, self.q, row))
+        return await pool.run(lambda conn: wire.pooled_insert_async(conn, self.q, row))
 
     def _row_chunks(
         self, jobs: Iterable[JobSpec], allow_unknown: bool

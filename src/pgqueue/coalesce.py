@@ -42,7 +42,7 @@ from typing import Any
 
 import psycopg
 
-from . import pools, producer
+from . import pools, producer, wire
 from .errors import ConfigurationError, DatabaseUnavailableError, PgQueueError
 from .jobs import Enqueued
 from .producer import JobRow
@@ -572,7 +572,7 @@ class Coalescer:
         return batch.results()
 
     def _single(self, row: JobRow) -> Callable[[pools.SyncConn], Enqueued]:
-        return lambda conn: producer.insert(conn, self.q, row)
+        return lambda conn: wire.pooled_insert(conn, self.q, row)
 
     async def _write_async(self, rows: list[JobRow]) -> list[Outcome]:
         """``_write`` for async code."""
@@ -601,4 +601,4 @@ class Coalescer:
         return batch.results()
 
     def _single_async(self, row: JobRow) -> Callable[[pools.AsyncConn], Awaitable[Enqueued]]:
-        return lambda conn: producer.insert_async(conn, self.q, row)
+        return lambda conn: wire.pooled_insert_async(conn, self.q, row)
