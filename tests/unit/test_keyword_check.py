@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pgqueue
@@ -39,6 +39,7 @@ def slow_accepts(task: pgqueue.Task[Any, Any], kwargs: dict[str, Any]) -> bool:
 
 
 @pytest.mark.parametrize("index", range(len(handlers())))
+@settings(deadline=None)
 @given(chosen=st.sets(st.sampled_from(NAMES)))
 def test_the_quick_check_agrees_with_bind(index: int, chosen: set[str]) -> None:
     app = pgqueue.App("postgresql://unused")
