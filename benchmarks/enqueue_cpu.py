@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -25,7 +26,7 @@ import pgqueue
 from pgqueue import wire
 from pgqueue.embedded import EmbeddedPostgres
 
-ARGS = {"user_id": 42, "email": "someone@example.com", "template": "welcome"}
+ARGS: dict[str, Any] = {"user_id": 42, "email": "someone@example.com", "template": "welcome"}
 INSERT = (
     b"INSERT INTO pgqueue_jobs (queue, task, args) VALUES (%(queue)s, %(task)s, %(args)s::jsonb)"
     b" RETURNING id"

@@ -80,13 +80,13 @@ def test_the_direct_insert_writes_what_the_general_one_does(
 
     general.task(limit=2, limit_key=lambda args: f"tenant-{args.get('n')}")(limited.func)
 
-    direct = [app.enqueue("limited", **call) for call in CALLS]
-    plain = [general.enqueue("limited", **call) for call in CALLS]
+    direct = [int(app.enqueue("limited", **call)) for call in CALLS]
+    plain = [int(general.enqueue("limited", **call)) for call in CALLS]
     assert prepared(app) and not prepared(general)
 
     async def both() -> tuple[list[int], list[int]]:
-        a = [await app.enqueue_async("limited", **call) for call in CALLS]
-        g = [await general.enqueue_async("limited", **call) for call in CALLS]
+        a = [int(await app.enqueue_async("limited", **call)) for call in CALLS]
+        g = [int(await general.enqueue_async("limited", **call)) for call in CALLS]
         return a, g
 
     direct_async, plain_async = asyncio.run(both())
