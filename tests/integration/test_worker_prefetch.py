@@ -169,5 +169,7 @@ def test_prefetch_must_be_a_non_negative_integer(app: pgqueue.App) -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(pgqueue.ConfigurationError, match="prefetch"):
             app.worker(prefetch=bad)
-    assert app.worker(concurrency=7).prefetch == 7
+    # The default: the concurrency, but never so few that short jobs are claimed in dribs.
+    assert app.worker(concurrency=7).prefetch == 256
+    assert app.worker(concurrency=300).prefetch == 300
     assert app.worker(concurrency=7, prefetch=0).prefetch == 0

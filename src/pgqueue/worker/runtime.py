@@ -68,15 +68,22 @@ _STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
 #: Job ids per NOTIFY of finished jobs (a payload stays well under PostgreSQL's 8,000 bytes).
 ANNOUNCE_CHUNK = 400
 
+#: The default prefetch's floor. The buffer is the last 50 ms of completions at most, so this
+#: only matters for short jobs: with the concurrency as the only cap, no-op jobs drained at
+#: concurrency 10 at a sixth of the rate at 250 or more, in claims too small to pay for
+#: themselves (docs/performance.md, "Concurrency-independent processing").
+PREFETCH_DEFAULT = 256
+
 
 class Worker:
     """A worker process's runtime. Options:
 
     - ``queues``: queue names to serve (default: every queue);
     - ``concurrency``: jobs run at once (async handlers on the loop, sync ones in threads);
-    - ``prefetch``: most jobs claimed ahead of a free slot (default: ``concurrency``); the
-      buffer only fills as far as recent completions show it will drain within ~50 ms, so slow
-      jobs are not prefetched (see ``fetcher``);
+    - ``prefetch``: most jobs claimed ahead of a free slot (default: the concurrency, at least
+      ``PREFETCH_DEFAULT``); the buffer only fills as far as recent completions show it will
+      drain within ~50 ms, so slow jobs are not prefetched (see ``fetcher``), while fast ones
+      are claimed in batches big enough that throughput does not depend on the concurrency;
     - ``lease``: seconds a claim is held without a heartbeat (default 30);
     - ``heartbeat_interval``: default ``lease / 3``, so two heartbeats can fail before a lease
       runs out;
@@ -119,7 +126,7 @@ class Worker:
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError("concurrency must be a positive integer")
-        prefetch = concurrency if prefetch is None else prefetch
+        prefetch = max(concurrency, PREFETCH_DEFAULT) if prefetch is None else prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigurationError("prefetch must be a non-negative integer")
 
