@@ -130,7 +130,11 @@ WORKFLOWS = [
 ]
 #: The detail page's statements (job_page.read): not part of a refresh.
 DETAIL = (
-    "job_detail", "job_family", "job_attempts", "job_why", "archived_job_detail",
+    "job_detail",
+    "job_family",
+    "job_attempts",
+    "job_why",
+    "archived_job_detail",
     "archived_job_attempts",
 )
 #: Run by a refresh only when the dead total moved, and with this many dead jobs at most every

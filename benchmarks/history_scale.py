@@ -13,7 +13,8 @@ worker's own statements (claim_jobs_by_priority, as the fetcher does while jobs 
 and claim_jobs) and acked 10 at a time (complete_jobs); each statement's wall time from Python
 is recorded (medians). A dashboard refresh is every panel's statement under EXPLAIN ANALYZE, as
 benchmarks/dashboard_queries.py measures it. Finally a VACUUM of each table after the same
-churn, one prune batch (prune_finished_jobs) on the full table, and WAL per job on the empty one.
+churn, one prune batch (prune_finished_jobs) on the full table, a million of its jobs moved to
+the archive (archive_finished_jobs) and their size there, and WAL per job on the empty one.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ LIVE_WORKER = """
 INSERT INTO pgqueue_workers (id, host, pid, concurrency, lease_expires_at)
 VALUES (%(id)s, 'bench', 1, 10, now() + interval '1 day')
 ON CONFLICT (id) DO UPDATE SET lease_expires_at = now() + interval '1 day'
+"""
+ARCHIVE_SIZE = """
+SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits
+WHERE inhparent = 'pgqueue_jobs_archive'::regclass
 """
 SIZE = """
 SELECT pg_table_size('pgqueue_jobs'), pg_indexes_size('pgqueue_jobs'),
@@ -151,6 +156,7 @@ def main() -> None:
     parser.add_argument("--delayed", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=60, help="rounds of 100 jobs per table")
     parser.add_argument("--refreshes", type=int, default=9)
+    parser.add_argument("--archive-rows", type=int, default=1_000_000, help="jobs to archive")
     parser.add_argument("--json", help="write the figures to this file too")
     args = parser.parse_args()
     cluster = None
@@ -180,9 +186,9 @@ def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     dsns = {}
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
         for key in KEYS:
-            name = sql.Identifier(f"pgqueue_bench_{key}")
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-            admin.execute(sql.SQL("CREATE DATABASE {}").format(name))
+            ident = sql.Identifier(f"pgqueue_bench_{key}")
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(ident))
             dsns[key] = conninfo.make_conninfo(admin_dsn, dbname=f"pgqueue_bench_{key}")
     q = queries("public")
     conns = {key: psycopg.connect(dsn, autocommit=True) for key, dsn in dsns.items()}
@@ -285,6 +291,30 @@ def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     batch_ms = ms_since(started)
     figures["prune_batch"] = {"rows": cur.rowcount, "ms": batch_ms}
     print(f"one prune batch on the full table: {cur.rowcount:,} rows in {batch_ms:.0f} ms")
+
+    # The archive: move the oldest finished jobs in the worker's batches, and size them there.
+    full.execute(q.archive_partitions, {"keep_seconds": None})
+    batches: list[float] = []
+    moved = 0
+    while moved < args.archive_rows:
+        started = time.perf_counter()
+        cur = full.execute(
+            q.archive_finished_jobs, {"older_than": 0.0, "batch": 10_000, "keep_seconds": None}
+        )
+        batches.append(ms_since(started))
+        moved += cur.rowcount
+    row = full.execute(ARCHIVE_SIZE).fetchone()
+    assert row is not None
+    archive = {
+        "rows": moved,
+        "batch_ms_median": statistics.median(batches),
+        "rows_per_second": moved / (sum(batches) / 1000),
+        "mb_per_million": float(row[0]) / 2**20 / (moved / 1e6),
+    }
+    figures["archive"] = archive
+    print(f"archive: {moved:,} jobs moved in batches of 10,000, median {archive['batch_ms_median']:.0f}"
+          f" ms a batch ({archive['rows_per_second']:,.0f} jobs/s); "
+          f"{archive['mb_per_million']:.0f} MB per million archived (table + index)")  # fmt: skip
 
     wal = wal_per_job(conns["empty"], q, 10_000)
     figures["wal_bytes_per_job"] = wal

@@ -30,18 +30,15 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 DAY = 86400.0
 
 
-def finished(conn: Conn, status: str, age: float, n: int = 1, **columns: Any) -> list[int]:
+def finished(conn: Conn, status: str, age: float, n: int = 1) -> list[int]:
     """n jobs that reached ``status`` ``age`` seconds ago (rows written directly: the prune only
     looks at status and finished_at)."""
-    names = ", ".join(columns)
     rows = conn.execute(
-        "INSERT INTO pgqueue_jobs (queue, task, status, attempts, finished_at, result"
-        + (f", {names}" if names else "")
-        + ") SELECT 'q', 't', %(status)s::pgqueue_status, 1,"
+        "INSERT INTO pgqueue_jobs (queue, task, status, attempts, finished_at, result)"
+        " SELECT 'q', 't', %(status)s::pgqueue_status, 1,"
         " now() - make_interval(secs => %(age)s), '{\"n\": 1}'::jsonb"
-        + "".join(f", %({c})s" for c in columns)
-        + " FROM generate_series(1, %(n)s) RETURNING id",
-        {"status": status, "age": age, "n": n, **columns},
+        " FROM generate_series(1, %(n)s) RETURNING id",
+        {"status": status, "age": age, "n": n},
     ).fetchall()
     return [int(r[0]) for r in rows]
 
@@ -186,9 +183,7 @@ def test_a_claim_and_an_ack_complete_while_a_batch_holds_its_locks(
             other.execute("SET lock_timeout = '10s'")  # a wait would fail it, not hang
             other.execute("SET statement_timeout = '20s'")
             second = {**claim, "token": uuid.uuid4()}
-            assert [r[0] for r in other.execute(app.q.claim_jobs, second).fetchall()] == [
-                waiting
-            ]
+            assert [r[0] for r in other.execute(app.q.claim_jobs, second).fetchall()] == [waiting]
             acked = other.execute(
                 app.q.complete_jobs,
                 {
@@ -311,4 +306,3 @@ def test_the_cli_takes_retention_flags_and_their_variables(
                "--retention", "soon"],
     )  # fmt: skip
     assert bad.exit_code != 0 and "--retention 'soon'" in bad.output
-
