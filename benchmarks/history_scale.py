@@ -95,15 +95,20 @@ def run_statement(conn: psycopg.Connection[Any], statement: bytes | str, params:
 
 
 def round_of_work(
-    conn: psycopg.Connection[Any], q: Any, claim: bytes, times: dict[str, list[float]], key: str
+    conn: psycopg.Connection[Any],
+    q: Any,
+    claim: bytes,
+    times: dict[str, list[float]],
+    key: str,
+    batch: int = 10,
 ) -> None:
-    """100 due jobs in, claimed and acked 10 at a time; each statement timed."""
+    """100 due jobs in, claimed and acked ``batch`` at a time; each statement timed."""
     conn.execute(DUE, {"n": 100})
     while True:
         token = uuid.uuid4()
         started = time.perf_counter()
         rows = conn.execute(
-            claim, {"worker_id": WORKER, "limit": 10, "token": token, "tasks": None}
+            claim, {"worker_id": WORKER, "limit": batch, "token": token, "tasks": None}
         ).fetchall()
         times[f"{key} claim"].append(ms_since(started))
         if not rows:
@@ -138,15 +143,29 @@ def refresh_ms(
     }
 
 
-def wal_per_job(conn: psycopg.Connection[Any], q: Any, jobs: int) -> float:
-    """WAL bytes per job through enqueue (batches of 100), claim and ack (batches of 10)."""
+def wal_per_job(conn: psycopg.Connection[Any], q: Any, jobs: int, batch: int) -> dict[str, float]:
+    """WAL bytes per job through enqueue (100 per statement), claim and ack (``batch`` per
+    statement): right after a CHECKPOINT (every page's first change writes a full image of it),
+    and again at once (the same pages, images already written)."""
     conn.execute("CHECKPOINT")
-    start = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
-    sink: dict[str, list[float]] = {"w claim": [], "w ack": []}
-    for _ in range(jobs // 100):
-        round_of_work(conn, q, q.claim_jobs, sink, "w")
-    row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", [start]).fetchone()
-    return float(row[0]) / jobs  # type: ignore[index]
+    figures = {}
+    for label in ("after_checkpoint", "steady"):
+        start = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+        sink: dict[str, list[float]] = {"w claim": [], "w ack": []}
+        for _ in range(jobs // 100):
+            round_of_work(conn, q, q.claim_jobs, sink, "w", batch)
+        row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", [start]).fetchone()
+        figures[label] = float(row[0]) / jobs  # type: ignore[index]
+    return figures
+
+
+def wal_figures(conn: psycopg.Connection[Any], q: Any) -> dict[int, dict[str, float]]:
+    wal = {batch: wal_per_job(conn, q, 10_000, batch) for batch in (1, 10, 100)}
+    print("WAL bytes per job (enqueue 100 per statement; claim and ack N per statement):")
+    for batch, w in wal.items():
+        print(f"  N = {batch:3}: {w['after_checkpoint']:6,.0f} after a checkpoint, "
+              f"{w['steady']:6,.0f} steady")  # fmt: skip
+    return wal
 
 
 def main() -> None:
@@ -157,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60, help="rounds of 100 jobs per table")
     parser.add_argument("--refreshes", type=int, default=9)
     parser.add_argument("--archive-rows", type=int, default=1_000_000, help="jobs to archive")
+    parser.add_argument("--wal-only", action="store_true", help="only WAL per job")
     parser.add_argument("--json", help="write the figures to this file too")
     args = parser.parse_args()
     cluster = None
@@ -166,7 +186,7 @@ def main() -> None:
     else:
         admin_dsn = args.dsn
     try:
-        figures = measure(admin_dsn, args)
+        figures = wal_only(admin_dsn) if args.wal_only else measure(admin_dsn, args)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -180,6 +200,32 @@ def main() -> None:
                     )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def wal_only(admin_dsn: str) -> dict[str, Any]:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        migrate(conn, "public")
+        conn.execute(LIVE_WORKER, {"id": WORKER})
+        q = queries("public")
+        figures: dict[str, Any] = {"wal_bytes_per_job": wal_figures(conn, q)}
+        # What retention adds: deleting a finished job, or moving it to the archive.
+        conn.execute(q.archive_partitions, {"keep_seconds": None})
+        for name, statement in (
+            ("prune", q.prune_finished_jobs),
+            ("archive", q.archive_finished_jobs),
+        ):
+            conn.execute("CHECKPOINT")
+            start = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+            cur = conn.execute(
+                statement, {"older_than": 0.0, "batch": 20_000, "keep_seconds": None}
+            )
+            row = conn.execute(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", [start]
+            ).fetchone()
+            figures[f"wal_bytes_per_{name}"] = float(row[0]) / cur.rowcount  # type: ignore[index]
+            print(f"WAL bytes per job {name}d (after a checkpoint): "
+                  f"{figures[f'wal_bytes_per_{name}']:,.0f}")  # fmt: skip
+        return figures
 
 
 def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -231,7 +277,10 @@ def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
         dashboards[key] = psycopg.connect(dsn, **session_options())
         dashboards[key].read_only = True
     for i in range(args.rounds):
-        for key, conn in conns.items():  # alternate: all see the same moments of the machine
+        # Alternate, in a rotating order: all see the same moments of the machine, and none is
+        # always the first after another's writes.
+        order = list(conns)[i % len(conns) :] + list(conns)[: i % len(conns)]
+        for key, conn in ((k, conns[k]) for k in order):
             round_of_work(conn, q, q.claim_jobs_by_priority, times, key)
             round_of_work(conn, q, q.claim_jobs, times, f"{key} plain")
             if i < args.refreshes:
@@ -316,9 +365,7 @@ def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
           f" ms a batch ({archive['rows_per_second']:,.0f} jobs/s); "
           f"{archive['mb_per_million']:.0f} MB per million archived (table + index)")  # fmt: skip
 
-    wal = wal_per_job(conns["empty"], q, 10_000)
-    figures["wal_bytes_per_job"] = wal
-    print(f"WAL per job (enqueue in 100s, claim and ack in 10s, empty table): {wal:,.0f} bytes")
+    figures["wal_bytes_per_job"] = wal_figures(conns["empty"], q)
     for conn in (*conns.values(), *dashboards.values()):
         conn.close()
     return figures
