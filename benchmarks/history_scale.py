@@ -209,7 +209,7 @@ def wal_only(admin_dsn: str) -> dict[str, Any]:
         q = queries("public")
         figures: dict[str, Any] = {"wal_bytes_per_job": wal_figures(conn, q)}
         # What retention adds: deleting a finished job, or moving it to the archive.
-        conn.execute(q.archive_partitions, {"keep_seconds": None})
+        conn.execute(q.archive_partitions, {"keep_seconds": None, "with_dead": False})
         for name, statement in (
             ("prune", q.prune_finished_jobs),
             ("archive", q.archive_finished_jobs),
@@ -342,7 +342,7 @@ def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     print(f"one prune batch on the full table: {cur.rowcount:,} rows in {batch_ms:.0f} ms")
 
     # The archive: move the oldest finished jobs in the worker's batches, and size them there.
-    full.execute(q.archive_partitions, {"keep_seconds": None})
+    full.execute(q.archive_partitions, {"keep_seconds": None, "with_dead": False})
     batches: list[float] = []
     moved = 0
     while moved < args.archive_rows:

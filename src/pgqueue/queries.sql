@@ -1308,8 +1308,9 @@ FROM moved m LEFT JOIN per_job h ON h.job_id = m.id
 
 -- name: archive_partitions
 -- The archive's daily partitions: created ahead, and dropped once older than
--- %(keep_seconds)s (NULL keeps them). See pgqueue_archive_partitions in migration 0018.
-SELECT {schema}.pgqueue_archive_partitions(%(keep_seconds)s::float8)
+-- %(keep_seconds)s (NULL keeps them); %(with_dead)s: dead jobs are archived too (a
+-- dead_retention). See pgqueue_archive_partitions in migration 0018.
+SELECT {schema}.pgqueue_archive_partitions(%(keep_seconds)s::float8, %(with_dead)s::boolean)
 
 -- ---------------------------------------------------------------------------------------------
 -- schedules

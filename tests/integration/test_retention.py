@@ -166,7 +166,7 @@ def test_a_claim_and_an_ack_complete_while_a_batch_holds_its_locks(
 ) -> None:
     finished(conn, "succeeded", 2 * DAY, n=50)
     if statement == "archive_finished_jobs":
-        conn.execute(app.q.archive_partitions, {"keep_seconds": None})
+        conn.execute(app.q.archive_partitions, {"keep_seconds": None, "with_dead": False})
     running = app.enqueue("t", {}, allow_unknown=True)
     worker = uuid.uuid4()
     register_worker(conn, worker, 30)
@@ -229,6 +229,10 @@ def test_archived_jobs_move_with_their_attempts_and_are_still_found(
         api = client.get(f"/api/jobs/{job_id}").json()
         assert api["status"] == "succeeded" and api["archived"] is True
         assert [a["outcome"] for a in api["attempt_history"]] == ["retrying", "succeeded"]
+    assert prune(app, archive=True, retention=3600, dead_retention=3600) == 1
+    assert remaining(conn, dead) == []
+    archived = app.get_job(dead[0])
+    assert archived is not None and archived.status == "dead"
 
 
 def test_upgrading_to_18_lets_a_role_that_reads_jobs_read_the_archive(empty_dsn: str) -> None:
@@ -272,9 +276,12 @@ def test_archive_partitions_are_made_ahead_and_dropped_whole_by_age(
 ) -> None:
     old = finished(conn, "succeeded", 5 * DAY)
     older = finished(conn, "succeeded", 20 * DAY)
+    kept_dead = finished(conn, "dead", 40 * DAY)  # no dead_retention: it never moves
     assert prune(app, archive=True, retention=3600) == 2
     made = _partitions(conn)
     assert _day(conn, 20) in made and _day(conn, 5) in made and _day(conn, -2) in made
+    assert _day(conn, 21) not in made and _day(conn, -3) not in made
+    assert remaining(conn, kept_dead) == kept_dead
     assert remaining(conn, old + older) == []
     # A 10-day archive: days wholly before it are dropped with their jobs.
     assert prune(app, archive=True, retention=3600, archive_retention=10 * DAY) == 0

@@ -38,14 +38,14 @@ CREATE TABLE {schema}.pgqueue_jobs_archive (
 -- pgqueue_jobs: one probe per partition.
 CREATE INDEX pgqueue_jobs_archive_id_idx ON {schema}.pgqueue_jobs_archive (id);
 
--- Creates a partition for every UTC day from the oldest finished job still in pgqueue_jobs (or
--- today) to the day after tomorrow, so a move never finds its day missing, and drops the
+-- Creates a partition for every UTC day from the oldest job still in pgqueue_jobs that may move
+-- (succeeded or cancelled, and dead ones if with_dead; or today) to the day after tomorrow, so a move never finds its day missing, and drops the
 -- partitions whose whole day is older than keep_seconds (NULL keeps them). Days come from the
 -- database clock. Partition names are pgqueue_jobs_archive_YYYYMMDD, quoted by format('%I'); the
 -- advisory lock keeps two workers' reapers from creating the same partition at once. Returns
 -- the number of partitions created and dropped. Never touches pgqueue_jobs beyond one read of
--- pgqueue_jobs_finished_idx: claims and acks never wait for it.
-CREATE FUNCTION {schema}.pgqueue_archive_partitions(keep_seconds float8)
+-- the finished and dead indexes: claims and acks never wait for it.
+CREATE FUNCTION {schema}.pgqueue_archive_partitions(keep_seconds float8, with_dead boolean)
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -59,8 +59,13 @@ BEGIN
     -- A DROP waits for readers of the archive (a dashboard page) and would queue the moves
     -- behind it: give up after a second instead, and try again next round.
     PERFORM set_config('lock_timeout', '1s', true);
-    SELECT (min(finished_at) AT TIME ZONE 'UTC')::date INTO first_day
-    FROM {schema}.pgqueue_jobs WHERE status IN ('succeeded', 'dead', 'cancelled');
+    -- Two index reads (pgqueue_jobs_finished_idx, pgqueue_jobs_dead_idx): dead jobs kept for
+    -- good must not make a partition for every day since the oldest of them.
+    SELECT (least((SELECT min(finished_at) FROM {schema}.pgqueue_jobs
+                   WHERE status IN ('succeeded', 'cancelled')),
+                  (SELECT min(finished_at) FROM {schema}.pgqueue_jobs
+                   WHERE status = 'dead' AND with_dead)) AT TIME ZONE 'UTC')::date
+    INTO first_day;
     first_day := least(COALESCE(first_day, today), today);
     IF keep_seconds IS NOT NULL THEN
         -- Rows finished before the kept window would land in a partition dropped next round.

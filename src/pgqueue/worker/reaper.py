@@ -116,7 +116,13 @@ class Reaper:
         async with self.pool.connection() as conn:
             await conn.execute(q.prune_workers, {"older_than": max(60.0, 3 * self.lease)})
             if self.archive:
-                await conn.execute(q.archive_partitions, {"keep_seconds": self.archive_retention})
+                await conn.execute(
+                    q.archive_partitions,
+                    {
+                        "keep_seconds": self.archive_retention,
+                        "with_dead": self.dead_retention is not None,
+                    },
+                )
             for statement, older_than, extra in passes:
                 if older_than is None:
                     continue
