@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--refreshes", type=int, default=9)
     parser.add_argument("--archive-rows", type=int, default=1_000_000, help="jobs to archive")
     parser.add_argument("--wal-only", action="store_true", help="only WAL per job")
+    parser.add_argument("--queues-only", action="store_true", help="only claims by queue count")
     parser.add_argument("--json", help="write the figures to this file too")
     args = parser.parse_args()
     cluster = None
@@ -186,7 +187,12 @@ def main() -> None:
     else:
         admin_dsn = args.dsn
     try:
-        figures = wal_only(admin_dsn) if args.wal_only else measure(admin_dsn, args)
+        if args.queues_only:
+            figures = queue_figures(admin_dsn)
+        elif args.wal_only:
+            figures = wal_only(admin_dsn)
+        else:
+            figures = measure(admin_dsn, args)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -200,6 +206,52 @@ def main() -> None:
                     )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+SPREAD = """
+INSERT INTO pgqueue_jobs (queue, task, args)
+SELECT 'q' || (g %% %(queues)s), 'task_' || (g %% 20), jsonb_build_object('n', g)
+FROM generate_series(1, %(n)s) g
+"""
+
+
+def queue_figures(admin_dsn: str) -> dict[str, Any]:
+    """Claim time as the number of queues grows: 10,000 due jobs spread over 1, 10 or 100
+    queues, claimed 10 at a time by a worker serving every queue (claim_jobs) and by one that
+    lists all of them (claim_jobs_in_queues); each claim acked. Medians of 200 claims."""
+    q = queries("public")
+    figures: dict[str, Any] = {}
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        migrate(conn, "public")
+        conn.execute(LIVE_WORKER, {"id": WORKER})
+        print("claim of 10, median ms, by queue count (10,000 due jobs):")
+        for count in (1, 10, 100):
+            names = [f"q{i}" for i in range(count)]
+            row: dict[str, float] = {}
+            for label, statement, extra in (
+                ("every queue", q.claim_jobs, {}),
+                ("listed queues", q.claim_jobs_in_queues, {"queues": names}),
+            ):
+                conn.execute("DELETE FROM pgqueue_jobs")
+                conn.execute(SPREAD, {"queues": count, "n": 10_000})
+                conn.execute("VACUUM ANALYZE pgqueue_jobs")
+                times = []
+                for _ in range(200):
+                    token = uuid.uuid4()
+                    params = {"worker_id": WORKER, "limit": 10, "token": token, "tasks": None}
+                    started = time.perf_counter()
+                    ids = [r[0] for r in conn.execute(statement, {**params, **extra}).fetchall()]
+                    times.append(ms_since(started))
+                    conn.execute(
+                        "UPDATE pgqueue_jobs SET status = 'succeeded', finished_at = now()"
+                        " WHERE id = ANY(%s)",
+                        [ids],
+                    )
+                row[label] = statistics.median(times)
+            figures[str(count)] = row
+            print(f"  {count:3} queues: every queue {row['every queue']:.2f}, "
+                  f"listed {row['listed queues']:.2f}")  # fmt: skip
+    return figures
 
 
 def wal_only(admin_dsn: str) -> dict[str, Any]:
