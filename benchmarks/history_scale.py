@@ -3,6 +3,8 @@
 costs on disk; what one retention batch costs; WAL bytes per job.
 
     .venv/bin/python benchmarks/history_scale.py [--finished 10000000] [--delayed 1000000]
+    .venv/bin/python benchmarks/history_scale.py --wal-only     # WAL per job, pruned, archived
+    .venv/bin/python benchmarks/history_scale.py --queues-only  # claim time by queue count
 
 Starts a throwaway PostgreSQL (or uses ``--dsn``, a server where the user may CREATE DATABASE)
 with two scratch databases, ``empty`` and ``full``, both migrated. ``full`` is filled with
