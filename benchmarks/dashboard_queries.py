@@ -129,7 +129,14 @@ WORKFLOWS = [
        WHERE id IN (SELECT parent_id FROM pgqueue_job_deps)""",
 ]
 #: The detail page's statements (job_page.read): not part of a refresh.
-DETAIL = ("job_detail", "job_family", "job_attempts", "job_why")
+DETAIL = (
+    "job_detail",
+    "job_family",
+    "job_attempts",
+    "job_why",
+    "archived_job_detail",
+    "archived_job_attempts",
+)
 #: Run by a refresh only when the dead total moved, and with this many dead jobs at most every
 #: 30 s (queries.DEAD_RECOUNT_SECONDS): reported on its own, not in every refresh's sum.
 OCCASIONAL = ("dead_by_queue",)

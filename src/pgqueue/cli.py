@@ -27,6 +27,7 @@ from .jobs import Attempt, CancelResult
 from .logcontext import JobLogFilter
 from .migrate import DEFAULT_LOCK_TIMEOUT, DEFAULT_TIMEOUT, migration_script
 from .operations import STATUSES as JOB_STATUSES
+from .operations import parse_duration
 from .producer import MAX_NESTING
 from .schedules_cli import schedules_command
 
@@ -719,6 +720,33 @@ def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
 @click.option("--grace-period", type=float, default=30.0, show_default=True)
 @click.option("--no-listen", is_flag=True, help="Poll only; do not LISTEN for NOTIFY.")
 @click.option(
+    "--retention",
+    default="1d",
+    show_default=True,
+    metavar="DURATION",
+    help="Keep succeeded and cancelled jobs this long (90s, 30m, 12h, 7d; 'none': forever).",
+)
+@click.option(
+    "--dead-retention",
+    default="none",
+    show_default=True,
+    metavar="DURATION",
+    help="Keep dead jobs this long ('none': until requeued or deleted).",
+)
+@click.option(
+    "--archive",
+    is_flag=True,
+    help="Move finished jobs past their retention to pgqueue_jobs_archive instead of deleting "
+    "them.",
+)
+@click.option(
+    "--archive-retention",
+    default="none",
+    show_default=True,
+    metavar="DURATION",
+    help="With --archive: drop archived jobs this long after they finished, a day at a time.",
+)
+@click.option(
     "--event-loop",
     type=click.Choice(["auto", "uvloop", "asyncio"]),
     default="auto",
@@ -754,6 +782,10 @@ def worker(
     poll_interval: float,
     grace_period: float,
     no_listen: bool,
+    retention: str,
+    dead_retention: str,
+    archive: bool,
+    archive_retention: str,
     event_loop: str,
     health_port: int | None,
     health_host: str,
@@ -778,11 +810,25 @@ def worker(
         poll_interval=poll_interval,
         grace_period=grace_period,
         listen=not no_listen,
+        retention=_retention("--retention", retention),
+        dead_retention=_retention("--dead-retention", dead_retention),
+        archive=archive,
+        archive_retention=_retention("--archive-retention", archive_retention),
         event_loop=event_loop,
         health_port=health_port,
         health_host=health_host,
         health_file=health_file,
     )
+
+
+def _retention(flag: str, value: str) -> float | None:
+    """A retention flag's seconds; 'none' keeps forever."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return parse_duration(value, flag)
+    except PgQueueError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 main.add_command(schedules_command, "schedules")

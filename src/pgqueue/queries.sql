@@ -248,15 +248,26 @@ FROM {schema}.pgqueue_jobs
 WHERE id = %(id)s AND status IN ('running', 'succeeded') AND attempts > 0
 
 -- name: get_job
--- A running job's lease is its worker's (migration 0005) unless it carries its own.
-SELECT j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.status::text, j.attempts,
-       j.max_attempts, j.lease_token,
-       CASE WHEN j.status = 'running' THEN COALESCE(j.lease_expires_at, w.lease_expires_at) END,
-       j.worker_id, j.last_error, j.result, j.created_at, j.claimed_at, j.started_at,
-       j.finished_at, j.unique_key, j.meta, j.progress
-FROM {schema}.pgqueue_jobs j
-LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
-WHERE j.id = %(id)s
+-- A running job's lease is its worker's (migration 0005) unless it carries its own. A job that
+-- is no longer in pgqueue_jobs may have been archived (archive_finished_jobs): the second
+-- branch runs only when the first found nothing (Append under LIMIT 1), one probe per archive
+-- partition. One snapshot sees a job in one of the two tables, never both, never neither.
+(SELECT j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.status::text, j.attempts,
+        j.max_attempts, j.lease_token,
+        CASE WHEN j.status = 'running' THEN COALESCE(j.lease_expires_at, w.lease_expires_at) END,
+        j.worker_id, j.last_error, j.result, j.created_at, j.claimed_at, j.started_at,
+        j.finished_at, j.unique_key, j.meta, j.progress
+ FROM {schema}.pgqueue_jobs j
+ LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
+ WHERE j.id = %(id)s)
+UNION ALL
+(SELECT a.id, a.queue, a.task, a.args, a.priority, a.run_at, a.status, a.attempts,
+        a.max_attempts, NULL::uuid, NULL::timestamptz, NULL::uuid, a.last_error, a.result,
+        a.created_at, a.claimed_at, a.started_at, a.finished_at, a.unique_key, a.meta,
+        a.progress
+ FROM {schema}.pgqueue_jobs_archive a
+ WHERE a.id = %(id)s)
+LIMIT 1
 
 -- name: requeue_job
 -- Dead or cancelled jobs only, with a fresh set of attempts; wakes the queue's workers.
@@ -1223,22 +1234,99 @@ DELETE FROM {schema}.pgqueue_workers
 WHERE last_heartbeat_at < now() - make_interval(secs => %(older_than)s)
 
 -- name: prune_finished_jobs
--- Keeps the hot table small: succeeded and cancelled jobs past the retention window go, in
--- bounded batches (dead jobs stay until someone requeues or deletes them). Rows locked by
--- someone else are skipped, so pruning never holds up the reaper round it runs in.
--- Their attempts' history goes with them (pgqueue_attempts has no foreign key to cascade):
--- `= ANY(ARRAY(...))` probes pgqueue_attempts_job_idx per id, where a join hashed the whole
--- history table (a sequential scan of it per batch).
+-- Keeps the hot table small: finished jobs past their retention go, at most %(batch)s per
+-- statement (the reaper loops, with a time budget per round). Rendered twice (sql.VARIANTS):
+-- succeeded and cancelled jobs here (the worker's retention), dead ones as prune_dead_jobs (its
+-- dead_retention; without one they stay until requeued or deleted). The status list is a
+-- literal so that the planner proves pgqueue_jobs_finished_idx's predicate and reads the oldest
+-- rows in finished_at order. Rows locked by someone else are skipped, so pruning never waits for
+-- a lock, and it takes none that a claim or an ack waits for: it only deletes finished rows,
+-- which claims never read and acks never match.
+-- Kept: a succeeded unique job whose key still holds (unique_for after success: deleting the
+-- row would free the key early), and a parent whose children have not all finished (a
+-- callback reads its parents' results when it runs: parent_results). The parent check runs for
+-- rows with has_children only. A pruned job's attempts (pgqueue_attempts has no foreign key to
+-- cascade) and its dependency links go in the same statement: `= ANY(ARRAY(...))` probes
+-- pgqueue_attempts_job_idx and the pgqueue_job_deps indexes per id, where a join hashed the
+-- whole table (a sequential scan of it per batch).
 WITH picked AS (
-    SELECT id FROM {schema}.pgqueue_jobs
-    WHERE status IN ('succeeded', 'cancelled')
+    SELECT id FROM {schema}.pgqueue_jobs j
+    WHERE status IN ({pruned_statuses})
       AND finished_at < now() - make_interval(secs => %(older_than)s)
-    LIMIT 10000
+      AND NOT (unique_key IS NOT NULL AND unique_for IS NOT NULL AND status = 'succeeded'
+               AND finished_at >= now() - make_interval(secs => unique_for))
+      AND NOT (has_children AND EXISTS (
+          SELECT FROM {schema}.pgqueue_job_deps d
+          JOIN {schema}.pgqueue_jobs c ON c.id = d.child_id
+          WHERE d.parent_id = j.id AND c.status NOT IN ('succeeded', 'dead', 'cancelled')))
+    LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 ), history AS (
     DELETE FROM {schema}.pgqueue_attempts WHERE job_id = ANY(ARRAY(SELECT id FROM picked))
+), links AS (
+    DELETE FROM {schema}.pgqueue_job_deps
+    WHERE child_id = ANY(ARRAY(SELECT id FROM picked))
+       OR parent_id = ANY(ARRAY(SELECT id FROM picked))
 )
 DELETE FROM {schema}.pgqueue_jobs WHERE id IN (SELECT id FROM picked)
+
+-- name: archive_finished_jobs
+-- prune_finished_jobs for workers with archive=True: the same rows (same conditions, same
+-- batches, same locks; see there), moved to pgqueue_jobs_archive (migration 0018) instead of
+-- deleted, by one statement, so a job is in one table or the other at every instant. Their
+-- attempts go with them as attempt_history (a hash join of the batch's history, aggregated
+-- per job). Rendered twice like the prune: archive_dead_jobs for dead ones. The day's
+-- partition must exist: the reaper calls archive_partitions before each round, which creates
+-- them from the day %(keep_seconds)s ago (the archive's retention; NULL: from the oldest
+-- finished job), and deletes older jobs with prune_finished_jobs instead of moving them.
+WITH picked AS (
+    SELECT id FROM {schema}.pgqueue_jobs j
+    WHERE status IN ({pruned_statuses})
+      AND finished_at < now() - make_interval(secs => %(older_than)s)
+      AND (%(keep_seconds)s::float8 IS NULL
+           OR finished_at >= now() - make_interval(secs => %(keep_seconds)s::float8))
+      AND NOT (unique_key IS NOT NULL AND unique_for IS NOT NULL AND status = 'succeeded'
+               AND finished_at >= now() - make_interval(secs => unique_for))
+      AND NOT (has_children AND EXISTS (
+          SELECT FROM {schema}.pgqueue_job_deps d
+          JOIN {schema}.pgqueue_jobs c ON c.id = d.child_id
+          WHERE d.parent_id = j.id AND c.status NOT IN ('succeeded', 'dead', 'cancelled')))
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), history AS (
+    DELETE FROM {schema}.pgqueue_attempts WHERE job_id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING job_id, attempt, worker_id, claimed_at, started_at, finished_at, outcome, error
+), per_job AS (
+    SELECT job_id, jsonb_agg(jsonb_build_object(
+               'attempt', attempt, 'worker_id', worker_id, 'claimed_at', claimed_at,
+               'started_at', started_at, 'finished_at', finished_at, 'outcome', outcome,
+               'error', error) ORDER BY finished_at) AS attempt_history
+    FROM history GROUP BY job_id
+), links AS (
+    DELETE FROM {schema}.pgqueue_job_deps
+    WHERE child_id = ANY(ARRAY(SELECT id FROM picked))
+       OR parent_id = ANY(ARRAY(SELECT id FROM picked))
+), moved AS (
+    DELETE FROM {schema}.pgqueue_jobs WHERE id IN (SELECT id FROM picked)
+    RETURNING id, queue, task, args, priority, run_at, status, attempts, max_attempts,
+              last_error, result, created_at, claimed_at, started_at, finished_at,
+              schedule_name, schedule_tick, unique_key, meta, progress
+)
+INSERT INTO {schema}.pgqueue_jobs_archive
+    (id, queue, task, args, priority, run_at, status, attempts, max_attempts, last_error,
+     result, created_at, claimed_at, started_at, finished_at, schedule_name, schedule_tick,
+     unique_key, meta, progress, attempt_history)
+SELECT m.id, m.queue, m.task, m.args, m.priority, m.run_at, m.status::text, m.attempts,
+       m.max_attempts, m.last_error, m.result, m.created_at, m.claimed_at, m.started_at,
+       m.finished_at, m.schedule_name, m.schedule_tick, m.unique_key, m.meta, m.progress,
+       h.attempt_history
+FROM moved m LEFT JOIN per_job h ON h.job_id = m.id
+
+-- name: archive_partitions
+-- The archive's daily partitions: created ahead, and dropped once older than
+-- %(keep_seconds)s (NULL keeps them); %(with_dead)s: dead jobs are archived too (a
+-- dead_retention). See pgqueue_archive_partitions in migration 0018.
+SELECT {schema}.pgqueue_archive_partitions(%(keep_seconds)s::float8, %(with_dead)s::boolean)
 
 -- ---------------------------------------------------------------------------------------------
 -- schedules

@@ -68,6 +68,9 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
             " WHERE l.id = ANY(%(ids)b::bigint[]) ORDER BY l.id FOR UPDATE SKIP LOCKED))"
         },
     ),
+    # Dead jobs have a retention of their own (dead_retention), hence a statement of their own.
+    "prune_dead_jobs": ("prune_finished_jobs", {"pruned_statuses": "'dead'"}),
+    "archive_dead_jobs": ("archive_finished_jobs", {"pruned_statuses": "'dead'"}),
 }
 #: Which jobs an operator's search or bulk action takes (pgqueue.operations.JobFilter): each
 #: part NULL matches any. since/older_than compare when the job finished, or was enqueued if it
@@ -87,6 +90,7 @@ BASE = {
     **{name: "" for _, fragments in VARIANTS.values() for name in fragments},
     "claim_limit": "(SELECT %(limit)s::int)",
     "queue_list": "(VALUES (NULL::text))",  # one probe per priority, for every queue at once
+    "pruned_statuses": "'succeeded', 'cancelled'",
 }
 
 
@@ -177,6 +181,10 @@ class Queries:
     wake_waiting_workers: bytes
     prune_workers: bytes
     prune_finished_jobs: bytes
+    prune_dead_jobs: bytes
+    archive_finished_jobs: bytes
+    archive_dead_jobs: bytes
+    archive_partitions: bytes
     # schedules
     lock_schedule_sync: bytes
     schedule_owners: bytes

@@ -222,7 +222,7 @@ def test_retention_pruning_and_purge_delete_the_history_with_the_jobs(
     conn.execute(
         "UPDATE pgqueue_jobs SET finished_at = now() - interval '2 days' WHERE id = %s", (pruned,)
     )
-    cur = conn.execute(app.q.prune_finished_jobs, {"older_than": 86400.0})
+    cur = conn.execute(app.q.prune_finished_jobs, {"older_than": 86400.0, "batch": 100})
     assert cur.rowcount == 1  # the reaper counts pruned jobs by rowcount
     assert history(conn, pruned) == []
     with app.connection() as c:

@@ -43,7 +43,8 @@ def test_schema_page_matches_the_migrated_database(conn: Conn) -> None:
             "SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod)"
             " FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid"
             " JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relname LIKE 'pgqueue%'"
+            " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p') AND NOT c.relispartition"
+            "   AND c.relname LIKE 'pgqueue%'"
             "   AND a.attnum > 0 AND NOT a.attisdropped"
         ).fetchall()
     }

@@ -99,6 +99,8 @@ class JobPage:
     #: More attempts are recorded than ATTEMPTS_LIMIT: the earliest are not listed.
     attempts_cut: bool = False
     attempts_unavailable: str | None = None
+    #: Read from pgqueue_jobs_archive: the job finished and a worker with archive=True moved it.
+    archived: bool = False
 
     @property
     def now(self) -> datetime:
@@ -140,9 +142,14 @@ async def read(
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         cur = await conn.execute(q["job_detail"], {"id": job_id})
         found = await cur.fetchone()
+        archived = False
         if found is None:
-            return None
+            found = await _archived(conn, q["archived_job_detail"], job_id)
+            if found is None:
+                return None
+            archived = True
         job = JobPage(dict(zip(DETAIL_COLUMNS, found, strict=True)), late_after)
+        job.archived = archived
         cur = await conn.execute(q["job_family"], {"id": job_id, "limit": FAMILY_LIMIT})
         family = await cur.fetchone()
         assert family is not None
@@ -152,7 +159,8 @@ async def read(
             # A savepoint: a role without SELECT on pgqueue_attempts loses only this part.
             async with conn.transaction():
                 cur = await conn.execute(
-                    q["job_attempts"], {"id": job_id, "limit": ATTEMPTS_LIMIT + 1}
+                    q["archived_job_attempts" if archived else "job_attempts"],
+                    {"id": job_id, "limit": ATTEMPTS_LIMIT + 1},
                 )
                 history = await cur.fetchall()
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -179,6 +187,19 @@ async def read(
                     ": grant it SELECT as docs/dashboard.md shows."
                 )
     return job
+
+
+async def _archived(
+    conn: psycopg.AsyncConnection[Any], statement: bytes, job_id: int
+) -> tuple[Any, ...] | None:
+    """The job's row in pgqueue_jobs_archive, if a worker archived it. In a savepoint: a role
+    without SELECT on the archive (granted before migration 0018) sees such a job as gone."""
+    try:
+        async with conn.transaction():
+            cur = await conn.execute(statement, {"id": job_id})
+            return await cur.fetchone()
+    except psycopg.errors.InsufficientPrivilege:
+        return None
 
 
 def _own_attempt(r: dict[str, Any]) -> Attempt | None:
@@ -211,6 +232,7 @@ def api(job: JobPage) -> dict[str, Any]:
         "claimed_at": _iso(r["claimed_at"]), "finished_at": _iso(r["finished_at"]),
         "worker": r["worker"], "meta": _loads(r["meta"]), "progress": r["progress"],
         "cancel_requested_at": _iso(r["cancel_requested_at"]),
+        "archived": job.archived,
         # Added with the detail page.
         "started_at": _iso(r["started_at"]), "error_length": r["error_length"],
         "result": _loads(r["result"]), "args_size": r["args_size"],

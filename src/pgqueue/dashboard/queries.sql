@@ -312,6 +312,37 @@ LEFT JOIN {schema}.pgqueue_workers w ON w.id = j.worker_id
 LEFT JOIN {schema}.pgqueue_schedules s ON s.name = j.schedule_name
 WHERE j.id = %(id)s
 
+-- name: archived_job_detail
+-- job_detail for a job that is no longer in pgqueue_jobs: moved to the archive by a worker with
+-- archive=True (migration 0018). Run only when job_detail found nothing: one id probe per
+-- partition. Same columns; what a finished job no longer has (worker, lease, limit group) is NULL.
+SELECT a.id, a.task, a.queue, a.status, a.attempts, a.max_attempts, a.priority,
+       CASE WHEN pg_column_size(a.args) <= 65536 THEN a.args::text END, pg_column_size(a.args),
+       left(a.last_error, 65536), length(a.last_error),
+       a.created_at, a.run_at, a.claimed_at, a.started_at, a.finished_at, NULL::text,
+       CASE WHEN pg_column_size(a.meta) <= 65536 THEN a.meta::text END, pg_column_size(a.meta),
+       a.progress,
+       CASE WHEN pg_column_size(a.result) <= 65536 THEN a.result::text END,
+       pg_column_size(a.result),
+       NULL::timestamptz, NULL::text, NULL::timestamptz, a.schedule_name, a.schedule_tick, s.cron,
+       a.unique_key, NULL::text, NULL::text, NULL::integer, NULL::float8, NULL::boolean, now()
+FROM {schema}.pgqueue_jobs_archive a
+LEFT JOIN {schema}.pgqueue_schedules s ON s.name = a.schedule_name
+WHERE a.id = %(id)s
+LIMIT 1
+
+-- name: archived_job_attempts
+-- job_attempts for an archived job: its attempts moved with it (attempt_history), newest first.
+SELECT h.attempt, h.worker_id::text, h.claimed_at, h.started_at, h.finished_at, h.outcome,
+       h.error
+FROM {schema}.pgqueue_jobs_archive a,
+     jsonb_to_recordset(a.attempt_history) AS h(attempt integer, worker_id uuid,
+         claimed_at timestamptz, started_at timestamptz, finished_at timestamptz,
+         outcome text, error text)
+WHERE a.id = %(id)s
+ORDER BY h.finished_at DESC
+LIMIT %(limit)s
+
 -- name: job_attempts
 -- The job's attempts that did not succeed (pgqueue_attempts, migration 0016), the latest
 -- %(limit)s of them, newest first: one range of pgqueue_attempts_job_idx. Errors are kept to

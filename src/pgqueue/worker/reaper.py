@@ -1,5 +1,10 @@
 """Recovers jobs whose lease expired, and keeps the tables small.
 
+Finished jobs past their retention leave ``pgqueue_jobs`` in batches of ``batch`` rows, each
+its own short statement, for at most ``PRUNE_BUDGET`` seconds per round: deleted, or moved to
+``pgqueue_jobs_archive`` with ``archive``. Succeeded and cancelled jobs follow ``retention``,
+dead ones ``dead_retention`` (None: kept until requeued or deleted).
+
 Every worker runs one; there is no leader. The reaping statement locks what it takes and
 re-checks the expired lease on the newest row version (see ``reap_expired_leases``), so two
 reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
@@ -23,8 +28,8 @@ from .state import WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.reaper")
 
-PRUNE_BATCH = 10_000  # the LIMIT of prune_finished_jobs
-PRUNE_ROUNDS = 100  # at most a million rows per prune, then the next round goes on
+PRUNE_BATCH = 10_000  # rows per statement: 60-100 ms each beside 10 million finished rows
+PRUNE_BUDGET = 10.0  # seconds of batches per prune; the rest waits for the next prune
 
 
 class Reaper:
@@ -38,6 +43,10 @@ class Reaper:
         interval: float,
         lease: float,
         retention: float | None,
+        dead_retention: float | None = None,
+        archive: bool = False,
+        archive_retention: float | None = None,
+        batch: int = PRUNE_BATCH,
         wake: Callable[[list[str]], None] = lambda queues: None,
     ) -> None:
         self.pool = pool
@@ -47,6 +56,10 @@ class Reaper:
         self.interval = interval
         self.lease = lease
         self.retention = retention
+        self.dead_retention = dead_retention
+        self.archive = archive
+        self.archive_retention = archive_retention
+        self.batch = batch
         self.wake = wake
         self.rounds = 0
         #: Test hook: seconds to stall between finding an expired lease and updating it.
@@ -75,23 +88,56 @@ class Reaper:
         return len(rows)
 
     async def prune(self) -> int:
-        """Delete expired finished jobs in bounded batches until none are left (so a busy queue
-        cannot outgrow its pruning); returns how many went."""
+        """Remove (or archive) finished jobs past their retention in batches until none are left
+        or the round's time budget is spent; returns how many went. Each batch is a statement
+        of its own in autocommit, so no transaction outlives one batch and no lock is held
+        between batches."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PRUNE_BUDGET
+        q = self.q
+        passes: list[tuple[bytes, float | None, dict[str, Any]]] = []
+        if self.archive:
+            keep = self.archive_retention
+            if keep is not None:  # what the archive would drop at once is not moved there
+                passes += [
+                    (q.prune_finished_jobs, _longer(self.retention, keep), {}),
+                    (q.prune_dead_jobs, _longer(self.dead_retention, keep), {}),
+                ]
+            passes += [
+                (q.archive_finished_jobs, self.retention, {"keep_seconds": keep}),
+                (q.archive_dead_jobs, self.dead_retention, {"keep_seconds": keep}),
+            ]
+        else:
+            passes += [
+                (q.prune_finished_jobs, self.retention, {}),
+                (q.prune_dead_jobs, self.dead_retention, {}),
+            ]
         pruned = 0
         async with self.pool.connection() as conn:
-            await conn.execute(self.q.prune_workers, {"older_than": max(60.0, 3 * self.lease)})
-            if self.retention is None:
-                return 0
-            for _ in range(PRUNE_ROUNDS):
-                cur = await conn.execute(self.q.prune_finished_jobs, {"older_than": self.retention})
-                pruned += cur.rowcount
-                if cur.rowcount < PRUNE_BATCH:
-                    break
+            await conn.execute(q.prune_workers, {"older_than": max(60.0, 3 * self.lease)})
+            if self.archive:
+                await conn.execute(
+                    q.archive_partitions,
+                    {
+                        "keep_seconds": self.archive_retention,
+                        "with_dead": self.dead_retention is not None,
+                    },
+                )
+            for statement, older_than, extra in passes:
+                if older_than is None:
+                    continue
+                params = {"older_than": older_than, "batch": self.batch, **extra}
+                while True:
+                    cur = await conn.execute(statement, params)
+                    pruned += cur.rowcount
+                    if cur.rowcount < self.batch or loop.time() >= deadline:
+                        break
         return pruned
 
     def prune_every(self) -> int:
         """Reaper rounds between prunes: once a minute, or twice per retention if shorter."""
-        seconds = 60.0 if self.retention is None else min(60.0, self.retention / 2)
+        kept = [r for r in (self.retention, self.dead_retention) if r is not None]
+        seconds = min([60.0, *(r / 2 for r in kept)])
         return max(int(seconds / self.interval), 1)
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -104,3 +150,8 @@ class Reaper:
                 round_failed(log, "reaper round", exc)
             self.rounds += 1
             await pause(stopping, self.interval)
+
+
+def _longer(retention: float | None, keep: float) -> float | None:
+    """When a job is deleted rather than archived: past both its retention and the archive's."""
+    return None if retention is None else max(retention, keep)

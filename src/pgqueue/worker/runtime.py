@@ -92,7 +92,11 @@ class Worker:
     - ``grace_period``: seconds running jobs get to finish on SIGTERM (default 30);
     - ``reaper_interval``: how often expired leases are looked for (default the heartbeat
       interval); ``retention``: seconds succeeded/cancelled jobs are kept (default one day,
-      None keeps them);
+      None keeps them); ``dead_retention``: seconds dead jobs are kept (default None: until
+      requeued or deleted);
+    - ``archive``: move finished jobs past their retention to ``pgqueue_jobs_archive`` instead
+      of deleting them (default False), where they stay ``archive_retention`` seconds (default
+      None: until dropped by hand), in daily partitions dropped whole;
     - ``event_loop``: the loop ``run_sync`` starts: ``"auto"`` (uvloop when it is installed, as
       it is by default on Linux and macOS: the loop's cost is paid per job), ``"uvloop"`` or
       ``"asyncio"``. ``await worker.run()`` runs on whatever loop the caller has;
@@ -117,6 +121,9 @@ class Worker:
         grace_period: float = 30.0,
         reaper_interval: float | None = None,
         retention: float | None = 86400.0,
+        dead_retention: float | None = None,
+        archive: bool = False,
+        archive_retention: float | None = None,
         install_signal_handlers: bool = True,
         flush_interval: float = 0.002,
         event_loop: str = "auto",
@@ -157,6 +164,23 @@ class Worker:
             seconds("reaper_interval", reaper_interval)
         if retention is not None:
             seconds("retention", retention, zero=True)
+        if dead_retention is not None:
+            seconds("dead_retention", dead_retention, zero=True)
+        if not isinstance(archive, bool):
+            raise ConfigurationError("archive must be True or False")
+        if archive_retention is not None:
+            seconds("archive_retention", archive_retention)
+            if not archive:
+                raise ConfigurationError("archive_retention applies only with archive=True")
+            if any(r is not None and r >= archive_retention for r in (retention, dead_retention)):
+                raise ConfigurationError(
+                    "archive_retention must be longer than retention and dead_retention "
+                    "(jobs are archived once those end)"
+                )
+        if archive and retention is None and dead_retention is None:
+            raise ConfigurationError(
+                "archive=True moves jobs past retention or dead_retention: set one of them"
+            )
         if health_port is not None and (
             isinstance(health_port, bool) or not isinstance(health_port, int)
             or not 0 <= health_port <= 65535
@@ -184,6 +208,9 @@ class Worker:
         self.grace_period = float(grace_period)
         self.reaper_interval = float(reaper_interval or heartbeat_interval)
         self.retention = retention
+        self.dead_retention = dead_retention
+        self.archive = archive
+        self.archive_retention = archive_retention
         self.install_signal_handlers = install_signal_handlers
         self.flush_interval = flush_interval
         self.id = uuid.uuid4()
@@ -316,6 +343,9 @@ class Worker:
             interval=self.reaper_interval,
             lease=self.lease,
             retention=self.retention,
+            dead_retention=self.dead_retention,
+            archive=self.archive,
+            archive_retention=self.archive_retention,
             wake=self._wake_reaped,
         )
         self.notifier = Notifier(
