@@ -134,9 +134,9 @@ DETAIL = (
     "job_family",
     "job_attempts",
     "job_why",
-    "archived_job_detail",
-    "archived_job_attempts",
 )
+#: The detail page's lookups of an archived job (run only when job_detail finds nothing).
+ARCHIVED = ("archived_job_detail", "archived_job_attempts")
 #: Run by a refresh only when the dead total moved, and with this many dead jobs at most every
 #: 30 s (queries.DEAD_RECOUNT_SECONDS): reported on its own, not in every refresh's sum.
 OCCASIONAL = ("dead_by_queue",)
@@ -220,6 +220,7 @@ def run(dsn: str, refreshes: int) -> None:
         job_id = int(row[0]) if row else 1
         sample_depth = named("pgqueue", "stats.sql", "public")["sample_depth"]
         statements = queries.statements("public")
+        statements = {n: v for n, v in statements.items() if n not in ARCHIVED}
         per_statement: dict[str, list[float]] = {name: [] for name in statements}
         with_workers, without_workers = [], []
         # Measured in transactions set up exactly like the dashboard's (read-only, no parallel
