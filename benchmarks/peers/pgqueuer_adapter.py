@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from datetime import timedelta
 
 import asyncpg
 import pgqueue_bench_driver as driver
 import uvloop
-from pgqueuer import AsyncpgPoolDriver, PgQueuer, Queries
+from pgqueuer import AsyncpgDriver, AsyncpgPoolDriver, PgQueuer, Queries
 from pgqueuer import __version__ as version
 from pgqueuer.models import Channel, Job
 
@@ -38,8 +39,15 @@ class PgQueuerAdapter:
         self.dsn = dsn
         self.pool = await asyncpg.create_pool(dsn, min_size=1, max_size=8)
         self.queries = Queries(AsyncpgPoolDriver(self.pool))
+        self.connection = None
+        if os.environ.get("PGQUEUER_BENCH_ONE_CONNECTION") == "1":
+            # As its README enqueues: Queries over one connection (AsyncpgDriver).
+            self.connection = await asyncpg.connect(dsn)
+            self.queries = Queries(AsyncpgDriver(self.connection))
 
     async def close(self) -> None:
+        if self.connection is not None:
+            await self.connection.close()
         await self.pool.close()
 
     async def install(self) -> None:

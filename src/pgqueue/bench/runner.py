@@ -242,6 +242,12 @@ def peer_systems(peers_dir: Path, venv: Path) -> list[System]:
                [python, str(peers_dir / "pgqueuer_adapter.py")], work_config={"batch_size": 10}),
         System("pgqueuer-b100", "PgQueuer (batch 100)", "pgqueuer",
                [python, str(peers_dir / "pgqueuer_adapter.py")], work_config={"batch_size": 100}),
+        # Its README's setup: one asyncpg connection, which its driver serialises with a lock.
+        # Faster than the pool for a lone producer; producers then take turns on it.
+        System("pgqueuer-conn", "PgQueuer (one connection)", "pgqueuer",
+               [python, str(peers_dir / "pgqueuer_adapter.py")],
+               env={"PGQUEUER_BENCH_ONE_CONNECTION": "1"},
+               workloads={"enqueue_1", "enqueue_4", "enqueue_bulk"}),
         System("procrastinate", "Procrastinate", "procrastinate",
                [python, str(peers_dir / "procrastinate_adapter.py")], scale=0.05),
     ]  # fmt: skip
