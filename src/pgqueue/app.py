@@ -113,8 +113,14 @@ class App:
         coalesce: bool = False,
         coalesce_window: float = coalescing.DEFAULT_WINDOW,
         coalesce_max: int = coalescing.DEFAULT_MAX,
+        reconnect_timeout: float = pools.RETRY_FOR,
     ) -> None:
-        """``coalesce``: ``enqueue`` and ``enqueue_async`` calls made at the same time outside a
+        """``reconnect_timeout``: seconds a producer call (enqueue, cancel, ...) keeps retrying,
+        with backoff, while PostgreSQL cannot take it and nothing of it was written: the server
+        down or restarting, a standby being promoted (docs/failover.md); then it raises
+        ``DatabaseUnavailableError``. 0 raises at once.
+
+        ``coalesce``: ``enqueue`` and ``enqueue_async`` calls made at the same time outside a
         caller's transaction share one INSERT and one commit, for more jobs/s under load; a
         call waits for the batch being written (``coalesce_window`` seconds at most before
         another starts) and a batch holds ``coalesce_max`` jobs at most. Off by default; see
@@ -145,6 +151,15 @@ class App:
             raise ConfigurationError("max_payload_bytes must be positive")
         self.max_payload_bytes = max_payload_bytes
         self.backoff = backoff or Backoff()
+        if (
+            isinstance(reconnect_timeout, bool)
+            or not isinstance(reconnect_timeout, int | float)
+            or not 0 <= reconnect_timeout <= 86400
+        ):
+            raise ConfigurationError(
+                f"reconnect_timeout must be seconds from 0 to 86400, got {reconnect_timeout!r}"
+            )
+        self.reconnect_timeout = float(reconnect_timeout)
         self.tasks: dict[str, Task[Any, Any]] = {}
         self.q: Queries = queries(self.schema)
         self._pool: pools.Pool | None = None
@@ -360,9 +375,9 @@ class App:
         """Keyword arguments for every connection pgqueue opens for this app."""
         return {} if self.prepared_statements else {"prepare_threshold": None}
 
-    def _connection_settings(self) -> tuple[str, dict[str, Any]]:
+    def _connection_settings(self) -> tuple[str, dict[str, Any], float]:
         dsn = self.dsn
-        return dsn, pools.connect_kwargs(dsn, self.connect_options)
+        return dsn, pools.connect_kwargs(dsn, self.connect_options), self.reconnect_timeout
 
     def _sync_pool(self) -> pools.Pool:
         pool = self._pool
@@ -704,7 +719,10 @@ class App:
             return 0
         if connection is not None:
             return producer.copy_rows(connections.sync_connection(connection), self.q, chunks)
-        return self._sync_pool().run(lambda conn: producer.copy_rows(conn, self.q, chunks))
+        # Not replayable: the chunks are checked as the COPY consumes them.
+        return self._sync_pool().run(
+            lambda conn: producer.copy_rows(conn, self.q, chunks), replayable=False
+        )
 
     @_published_async("enqueue_many")
     async def enqueue_many_async(
@@ -721,7 +739,9 @@ class App:
             conn = await connections.async_connection(connection)
             return await producer.copy_rows_async(conn, self.q, chunks)
         pool = await self._async_pool()
-        return await pool.run(lambda conn: producer.copy_rows_async(conn, self.q, chunks))
+        return await pool.run(
+            lambda conn: producer.copy_rows_async(conn, self.q, chunks), replayable=False
+        )
 
     # --- inspecting and steering jobs -----------------------------------------------------
 
@@ -837,7 +857,8 @@ class App:
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
         return self._sync_pool().run(
-            lambda conn: operations.bulk(conn, self.q, "requeue", f, dry_run=dry_run)
+            lambda conn: operations.bulk(conn, self.q, "requeue", f, dry_run=dry_run),
+            replayable=False,  # batches commit one by one
         )
 
     def cancel_jobs(
@@ -851,7 +872,8 @@ class App:
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
         return self._sync_pool().run(
-            lambda conn: operations.bulk(conn, self.q, "cancel", f, dry_run=dry_run)
+            lambda conn: operations.bulk(conn, self.q, "cancel", f, dry_run=dry_run),
+            replayable=False,  # batches commit one by one
         )
 
     def purge_jobs(
@@ -862,7 +884,8 @@ class App:
         more than ``older_than`` ago. Batched (never a long lock) and audited."""
         f = operations.JobFilter.of(task=task, queue=queue, status=status, older_than=older_than)
         return self._sync_pool().run(
-            lambda conn: operations.bulk(conn, self.q, "purge", f, dry_run=dry_run)
+            lambda conn: operations.bulk(conn, self.q, "purge", f, dry_run=dry_run),
+            replayable=False,  # batches commit one by one
         )
 
     def find_jobs(
