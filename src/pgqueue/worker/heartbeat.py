@@ -220,8 +220,9 @@ class Heartbeat:
                 # Bounded, connecting included: a blackholed connection must not stall the
                 # loop, or handlers would outlive their leases unnoticed.
                 await asyncio.wait_for(self.beat(), self.interval)
+                self.state.outage.ok()
             except Exception as exc:
-                round_failed(log, "heartbeat", exc)
+                round_failed(log, "heartbeat", exc, self.state.outage)
                 if self.conn is not None:
                     await self.conn.close()
                     self.conn = None

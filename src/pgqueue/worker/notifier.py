@@ -22,6 +22,7 @@ import psycopg
 from psycopg import sql
 
 from ..sql import Queries
+from .outage import Outage
 from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.notifier")
@@ -47,8 +48,10 @@ class Notifier:
         *,
         poll_interval: float,
         on_cancel: Callable[[str], None] = lambda job_id: None,
+        outage: Outage | None = None,
     ) -> None:
         self.dsn = dsn
+        self.outage = outage or Outage()
         self.on_cancel = on_cancel
         self.q = q
         self.channel = channel
@@ -80,7 +83,7 @@ class Notifier:
                 delay = 0.1
             except Exception as exc:
                 self.listening.clear()
-                round_failed(log, "LISTEN (polling until it is back)", exc)
+                round_failed(log, "LISTEN (polling until it is back)", exc, self.outage)
             if stopping.is_set():
                 break
             # Jobs inserted while we were away are found by the fetcher's next claim.
@@ -98,6 +101,7 @@ class Notifier:
         async with conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             self.listening.set()
+            self.outage.ok()
             self.wake()  # anything inserted before LISTEN took effect
             try:
                 while not stopping.is_set():
