@@ -1,6 +1,6 @@
 """A primary and a hot standby streaming from it, both throwaway clusters from the local
-PostgreSQL binaries: for what must work against a read replica (the dashboard) and, by promoting
-the standby, for failover.
+PostgreSQL binaries: for what must work against a read replica (the dashboard) and, by killing
+the primary and promoting the standby, for failover (synchronous replication or asynchronous).
 
 As root every binary runs as the ``postgres`` user, as ``EmbeddedPostgres`` does: initdb,
 pg_basebackup and the servers refuse root.
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+
+from psycopg import conninfo
 
 from pgqueue.embedded import EmbeddedPostgres
 from tests.helpers import wait_until
@@ -54,6 +56,48 @@ class Standby(EmbeddedPostgres):
 class Replicated:
     primary: EmbeddedPostgres
     standby: Standby
+
+    @property
+    def dsn(self) -> str:
+        """Both servers, as an application configured for failover names them: libpq tries
+        each in turn and keeps the one that accepts writes."""
+        return conninfo.make_conninfo(
+            host="127.0.0.1,127.0.0.1",
+            port=f"{self.primary.port},{self.standby.port}",
+            user=self.primary.user,
+            dbname="postgres",
+            target_session_attrs="read-write",
+        )
+
+    def synchronous(self) -> None:
+        """Synchronous replication: from now on a COMMIT returns once the standby has flushed
+        its WAL (``synchronous_commit = on``), so a committed transaction survives the
+        primary's loss."""
+        with psycopg.connect(self.primary.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+            conn.execute("SELECT pg_reload_conf()")
+            wait_until(
+                lambda: conn.execute(
+                    "SELECT 1 FROM pg_stat_replication WHERE sync_state = 'sync'"
+                ).fetchone(),
+                what="the standby is synchronous",
+            )
+
+    def lag_bytes(self) -> int:
+        """WAL the primary has written that the standby has not flushed yet."""
+        with psycopg.connect(self.primary.dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), flush_lsn)::bigint"
+                " FROM pg_stat_replication"
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def fail_over(self) -> None:
+        """The primary crashes (``pg_ctl -m immediate stop``: no shutdown checkpoint, every
+        session cut) and the standby is promoted."""
+        self.primary.stop_server("immediate")
+        self.standby.promote()
 
     def wait_replayed(self, timeout: float = 30.0) -> None:
         """Until the standby has replayed everything the primary has written so far."""

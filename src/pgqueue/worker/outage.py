@@ -114,6 +114,7 @@ _POOL_NOISE = (
     "reconnection attempt in pool %r failed after %s sec",
     "discarding closed connection: %s",
     "discarding broken connection: %s",
+    "error resetting connection: %s",
 )
 
 
@@ -134,6 +135,8 @@ class PoolNoise(logging.Filter):
         subject = record.args[0] if isinstance(record.args, tuple) and record.args else None
         if isinstance(subject, str):  # a pool's name
             return not (subject.startswith("pgqueue-worker") and self.outage.noisy)
+        if isinstance(subject, BaseException):  # a reset that met the lost connection
+            return not unreachable(subject)
         if isinstance(subject, psycopg.BaseConnection):
             name = subject.pgconn.parameter_status(b"application_name") or b""
             return not name.startswith(self.prefix)
