@@ -189,13 +189,15 @@ class Replicated:
         assert row is not None
         return int(row[0]), float(row[1])
 
-    def fail_over(self) -> None:
+    def fail_over(self, shutdown: str = "immediate") -> None:
         """The primary crashes (``pg_ctl -m immediate stop``: no shutdown checkpoint, every
         session cut) and the standby is promoted. With a delayed link, the link goes down
-        first, with the WAL still on its way on it, as when the primary's machine is lost."""
-        if self.link is not None:
+        first, with the WAL still on its way on it, as when the primary's machine is lost.
+        ``shutdown="fast"``: a planned switchover instead (sessions end with 57P01, and the
+        primary sends the standby all its WAL before it stops)."""
+        if self.link is not None and shutdown == "immediate":
             self.link.close()
-        self.primary.stop_server("immediate")
+        self.primary.stop_server(shutdown)
         self.standby.promote()
 
     def wait_replayed(self, timeout: float = 30.0) -> None:
