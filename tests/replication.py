@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-
 from psycopg import conninfo
 
 from pgqueue.embedded import EmbeddedPostgres

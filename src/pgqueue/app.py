@@ -759,14 +759,14 @@ class App:
         of the job's end, not by polling (concepts/results.md)."""
         return results.wait(
             self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
-            _timeout(timeout),
+            _timeout(timeout), self.reconnect_timeout,
         )  # fmt: skip
 
     async def wait_async(self, job_id: int, timeout: float | None = None) -> Any:
         """``wait`` for async code."""
         return await results.wait_async(
             self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
-            _timeout(timeout),
+            _timeout(timeout), self.reconnect_timeout,
         )  # fmt: skip
 
     def requeue(self, job_id: int) -> bool:

@@ -161,7 +161,7 @@ def standby_refused(exc: psycopg.Error) -> bool:
     return exc.sqlstate == "25006"
 
 
-class _Retries:
+class Retries:
     """The retry budget of one call: pauses with full jitter, doubling up to RETRY_MAX, for at
     most ``retry_for`` seconds from the first failure."""
 
@@ -290,7 +290,7 @@ class Pool(_Idle[SyncConn]):
         """A checked idle connection or a new one, retried while the server is unavailable
         (DatabaseUnavailableError once ``retry_for`` is spent); give it back with
         ``give_back``."""
-        retries = _Retries(self.retry_for)
+        retries = Retries(self.retry_for)
         while True:
             try:
                 return self._take()
@@ -328,7 +328,7 @@ class Pool(_Idle[SyncConn]):
         have been committed (see the module docstring); ``read_only`` also after a lost
         connection. ``replayable=False`` (a statement that consumes its input as it goes)
         retries only connecting. A lost connection is a DatabaseUnavailableError."""
-        retries = _Retries(self.retry_for)
+        retries = Retries(self.retry_for)
         while True:
             try:
                 return self._once(statement, replay=replayable)
@@ -380,7 +380,7 @@ class AsyncPool(_Idle[AsyncConn]):
         await anext(self._end_hook)
 
     async def take(self) -> AsyncConn:
-        retries = _Retries(self.retry_for)
+        retries = Retries(self.retry_for)
         while True:
             try:
                 return await self._take()
@@ -415,7 +415,7 @@ class AsyncPool(_Idle[AsyncConn]):
         replayable: bool = True,
     ) -> T:  # fmt: skip
         """The async twin of ``Pool.run``."""
-        retries = _Retries(self.retry_for)
+        retries = Retries(self.retry_for)
         while True:
             try:
                 return await self._once(statement, replay=replayable)
