@@ -5,6 +5,7 @@ left over from before an outage not taken for a new one."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import psycopg
@@ -93,7 +94,7 @@ def test_a_failure_just_after_recovery_is_quiet_unless_it_lasts(
     """A pooled connection opened before the outage fails once when next used: not a new
     outage. Failures that go on for SETTLE seconds are one after all."""
     now = [1000.0]
-    monkeypatch.setattr(outages.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     outage = Outage()
     outage.failed("claim", LOST)
     now[0] += 3
