@@ -352,9 +352,10 @@ class Pool(_Idle[SyncConn]):
                 raise _Lost(exc) from exc
             raise
         except psycopg.Error as exc:
-            if replay and standby_refused(exc):
+            if standby_refused(exc):
                 _close(conn)  # a standby: the next try connects again, maybe elsewhere
-                raise refused_as_read_only(self.dsn, exc) from exc
+                refused = refused_as_read_only(self.dsn, exc)
+                raise refused if replay else refused.error from None
             raise
         finally:
             self.give_back(conn)
@@ -439,9 +440,10 @@ class AsyncPool(_Idle[AsyncConn]):
                 raise _Lost(exc) from exc
             raise
         except psycopg.Error as exc:
-            if replay and standby_refused(exc):
+            if standby_refused(exc):
                 _close(conn)
-                raise refused_as_read_only(self.dsn, exc) from exc
+                refused = refused_as_read_only(self.dsn, exc)
+                raise refused if replay else refused.error from None
             raise
         finally:
             self.give_back(conn)

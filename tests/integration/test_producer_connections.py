@@ -481,3 +481,20 @@ def test_a_commit_that_was_lost_while_waiting_for_a_standby_is_not_retried(
     assert len(outcome) == 1 and isinstance(outcome[0], DatabaseUnavailableError), outcome
     assert outcome[0].uncertain
     assert rows == (1,)  # committed locally, once
+
+
+def test_a_bulk_enqueue_refused_as_read_only_is_not_replayed_but_says_nothing_was_written(
+    dsn: str, conn: Conn
+) -> None:
+    """enqueue_many checks its jobs as the COPY consumes them, so it cannot start over: a
+    read-only server is DatabaseUnavailableError at once (nothing written), not psycopg's."""
+    app = pgqueue.App(dsn, reconnect_timeout=60)
+    _set_read_only(conn, True)
+    try:
+        with pytest.raises(DatabaseUnavailableError, match="is read-only") as info:
+            app.enqueue_many([("t", {})] * 3, allow_unknown=True)
+    finally:
+        _set_read_only(conn, False)
+        app.close()
+    assert not info.value.uncertain
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
