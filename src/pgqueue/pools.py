@@ -64,7 +64,7 @@ MAX_IDLE = 600.0
 APPLICATION_NAME = "pgqueue-producer"
 #: Seconds a call retries, by default, while PostgreSQL cannot take it (App's reconnect_timeout).
 RETRY_FOR = 15.0
-#: The first pause between retries; it doubles (with full jitter) up to RETRY_MAX.
+#: The first pause between retries; it doubles up to RETRY_MAX (see Retries).
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
 #: Connection failures that waiting does not fix (libpq's words; its connection errors carry no
@@ -162,8 +162,9 @@ def standby_refused(exc: psycopg.Error) -> bool:
 
 
 class Retries:
-    """The retry budget of one call: pauses with full jitter, doubling up to RETRY_MAX, for at
-    most ``retry_for`` seconds from the first failure."""
+    """The retry budget of one call: pauses drawn between half and all of a ceiling that
+    doubles up to RETRY_MAX (callers that failed together do not retry in step), for at most
+    ``retry_for`` seconds from the first failure."""
 
     def __init__(self, retry_for: float) -> None:
         self.retry_for = retry_for
