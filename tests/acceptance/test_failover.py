@@ -36,6 +36,10 @@ pytestmark = [pytest.mark.acceptance, pytest.mark.slow]
 
 APP = "tests.acceptance.failover_app:app"
 Conn = psycopg.Connection[tuple[Any, ...]]
+#: The workers' LISTEN sessions on a server.
+LISTENING = (
+    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pgqueue-worker:%%:listen'"
+)
 
 
 @dataclass
@@ -134,6 +138,9 @@ def test_producers_and_workers_ride_out_a_failover(
         pair.synchronous()
     for _ in range(2):
         workers.start("--concurrency", "4", "--lease", "10")
+    with psycopg.connect(pair.primary.dsn, autocommit=True) as old:
+        # Both running before the crash (a worker that starts during an outage exits).
+        wait_until(lambda: scalar(old, LISTENING) == 2, timeout=60, what="both workers LISTEN")
     producers = Producers(pgqueue.App(pair.dsn, reconnect_timeout=60))
     producers.start()
     try:
@@ -190,14 +197,7 @@ def test_producers_and_workers_ride_out_a_failover(
         assert max(effects.values()) == 1
         # LISTEN again, on the new primary.
         wait_until(
-            lambda: (
-                scalar(
-                    new,
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE "
-                    "'pgqueue-worker:%%:listen'",
-                )
-                == 2
-            ),
+            lambda: scalar(new, LISTENING) == 2,
             timeout=30,
             what="both workers LISTEN on the new primary",
         )
