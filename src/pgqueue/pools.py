@@ -330,6 +330,7 @@ class Pool(_Idle[SyncConn]):
         connection. ``replayable=False`` (a statement that consumes its input as it goes)
         retries only connecting. A lost connection is a DatabaseUnavailableError."""
         retries = Retries(self.retry_for)
+        lost_once = False
         while True:
             try:
                 return self._once(statement, replay=replayable)
@@ -338,6 +339,9 @@ class Pool(_Idle[SyncConn]):
             except _Lost as exc:
                 if not read_only:
                     raise db.lost(self.dsn, exc.cause) from None
+                if not lost_once:  # a read goes once more at once, whatever the budget
+                    lost_once = True
+                    continue
                 error = db.lost(self.dsn, exc.cause, read_only=True)
             pause = retries.pause()
             if pause is None:
@@ -418,6 +422,7 @@ class AsyncPool(_Idle[AsyncConn]):
     ) -> T:  # fmt: skip
         """The async twin of ``Pool.run``."""
         retries = Retries(self.retry_for)
+        lost_once = False
         while True:
             try:
                 return await self._once(statement, replay=replayable)
@@ -426,6 +431,9 @@ class AsyncPool(_Idle[AsyncConn]):
             except _Lost as exc:
                 if not read_only:
                     raise db.lost(self.dsn, exc.cause) from None
+                if not lost_once:  # a read goes once more at once, whatever the budget
+                    lost_once = True
+                    continue
                 error = db.lost(self.dsn, exc.cause, read_only=True)
             pause = retries.pause()
             if pause is None:
