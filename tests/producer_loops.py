@@ -29,7 +29,8 @@ COUNT = (
 
 def main(dsn: str, loop: str, mode: str, loops: int) -> None:
     target = "postgresql://postgres@127.0.0.1:1/refused" if mode == "refused" else dsn
-    app = pgqueue.App(target)
+    # Refused at once: this measures the loops' cleanup, not the retries (reconnect_timeout).
+    app = pgqueue.App(target, reconnect_timeout=0)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = loop_factory(loop)
     errors: list[str] = []
     during: list[int] = []

@@ -114,8 +114,14 @@ class App:
         coalesce: bool = False,
         coalesce_window: float = coalescing.DEFAULT_WINDOW,
         coalesce_max: int = coalescing.DEFAULT_MAX,
+        reconnect_timeout: float = pools.RETRY_FOR,
     ) -> None:
-        """``coalesce``: ``enqueue`` and ``enqueue_async`` calls made at the same time outside a
+        """``reconnect_timeout``: seconds a producer call (enqueue, cancel, ...) keeps retrying,
+        with backoff, while PostgreSQL cannot take it and nothing of it was written: the server
+        down or restarting, a standby being promoted (docs/failover.md); then it raises
+        ``DatabaseUnavailableError``. 0 raises at once.
+
+        ``coalesce``: ``enqueue`` and ``enqueue_async`` calls made at the same time outside a
         caller's transaction share one INSERT and one commit, for more jobs/s under load; a
         call waits for the batch being written (``coalesce_window`` seconds at most before
         another starts) and a batch holds ``coalesce_max`` jobs at most. Off by default; see
@@ -146,6 +152,15 @@ class App:
             raise ConfigurationError("max_payload_bytes must be positive")
         self.max_payload_bytes = max_payload_bytes
         self.backoff = backoff or Backoff()
+        if (
+            isinstance(reconnect_timeout, bool)
+            or not isinstance(reconnect_timeout, int | float)
+            or not 0 <= reconnect_timeout <= 86400
+        ):
+            raise ConfigurationError(
+                f"reconnect_timeout must be seconds from 0 to 86400, got {reconnect_timeout!r}"
+            )
+        self.reconnect_timeout = float(reconnect_timeout)
         self.tasks: dict[str, Task[Any, Any]] = {}
         self.q: Queries = queries(self.schema)
         self._pool: pools.Pool | None = None
@@ -361,9 +376,9 @@ class App:
         """Keyword arguments for every connection pgqueue opens for this app."""
         return {} if self.prepared_statements else {"prepare_threshold": None}
 
-    def _connection_settings(self) -> tuple[str, dict[str, Any]]:
+    def _connection_settings(self) -> tuple[str, dict[str, Any], float]:
         dsn = self.dsn
-        return dsn, pools.connect_kwargs(dsn, self.connect_options)
+        return dsn, pools.connect_kwargs(dsn, self.connect_options), self.reconnect_timeout
 
     def _sync_pool(self) -> pools.Pool:
         pool = self._pool
@@ -705,7 +720,10 @@ class App:
             return 0
         if connection is not None:
             return producer.copy_rows(connections.sync_connection(connection), self.q, chunks)
-        return self._sync_pool().run(lambda conn: producer.copy_rows(conn, self.q, chunks))
+        # Not replayable: the chunks are checked as the COPY consumes them.
+        return self._sync_pool().run(
+            lambda conn: producer.copy_rows(conn, self.q, chunks), replayable=False
+        )
 
     @_published_async("enqueue_many")
     async def enqueue_many_async(
@@ -722,7 +740,9 @@ class App:
             conn = await connections.async_connection(connection)
             return await producer.copy_rows_async(conn, self.q, chunks)
         pool = await self._async_pool()
-        return await pool.run(lambda conn: producer.copy_rows_async(conn, self.q, chunks))
+        return await pool.run(
+            lambda conn: producer.copy_rows_async(conn, self.q, chunks), replayable=False
+        )
 
     # --- inspecting and steering jobs -----------------------------------------------------
 
@@ -758,14 +778,14 @@ class App:
         of the job's end, not by polling (concepts/results.md)."""
         return results.wait(
             self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
-            _timeout(timeout),
+            _timeout(timeout), self.reconnect_timeout,
         )  # fmt: skip
 
     async def wait_async(self, job_id: int, timeout: float | None = None) -> Any:
         """``wait`` for async code."""
         return await results.wait_async(
             self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
-            _timeout(timeout),
+            _timeout(timeout), self.reconnect_timeout,
         )  # fmt: skip
 
     def requeue(self, job_id: int) -> bool:
@@ -856,7 +876,8 @@ class App:
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
         return self._sync_pool().run(
-            lambda conn: operations.bulk(conn, self.q, "requeue", f, dry_run=dry_run)
+            lambda conn: operations.bulk(conn, self.q, "requeue", f, dry_run=dry_run),
+            replayable=False,  # batches commit one by one
         )
 
     def cancel_jobs(
@@ -870,7 +891,8 @@ class App:
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
         return self._sync_pool().run(
-            lambda conn: operations.bulk(conn, self.q, "cancel", f, dry_run=dry_run)
+            lambda conn: operations.bulk(conn, self.q, "cancel", f, dry_run=dry_run),
+            replayable=False,  # batches commit one by one
         )
 
     def purge_jobs(
@@ -881,7 +903,8 @@ class App:
         more than ``older_than`` ago. Batched (never a long lock) and audited."""
         f = operations.JobFilter.of(task=task, queue=queue, status=status, older_than=older_than)
         return self._sync_pool().run(
-            lambda conn: operations.bulk(conn, self.q, "purge", f, dry_run=dry_run)
+            lambda conn: operations.bulk(conn, self.q, "purge", f, dry_run=dry_run),
+            replayable=False,  # batches commit one by one
         )
 
     def find_jobs(

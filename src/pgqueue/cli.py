@@ -96,8 +96,15 @@ def load_app(spec: str) -> App:
     return app
 
 
-def make_app(dsn: str | None, schema: str, app_spec: str | None = None) -> App:
+def make_app(
+    dsn: str | None, schema: str, app_spec: str | None = None, *, interactive: bool = True
+) -> App:
     app = _resolve_app(dsn, schema, app_spec)
+    if interactive:
+        # A command fails at once when PostgreSQL cannot be reached, instead of retrying for
+        # the app's reconnect_timeout: someone is watching, and can run it again. (Not the
+        # worker's: its handlers' enqueues ride out a failover like any producer's.)
+        app.reconnect_timeout = 0.0
     # The producer pool's threads must be stopped when the command ends, not left to the
     # garbage collector (whose ConnectionPool.__del__ may run on a pool thread and fail).
     click.get_current_context().call_on_close(app.close)
@@ -800,7 +807,7 @@ def worker(
     )
     for handler in logging.getLogger().handlers:  # records written during a job name it
         handler.addFilter(JobLogFilter())
-    app = make_app(dsn, schema, app_spec)
+    app = make_app(dsn, schema, app_spec, interactive=False)
     app.run_worker(
         queues=[name.strip() for name in queues.split(",") if name.strip()] if queues else None,
         concurrency=concurrency,

@@ -83,10 +83,15 @@ def describe_dsn(dsn: str) -> str:
         parts = conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         return "<invalid DSN>"
-    host = parts.get("host") or "localhost"
-    port = parts.get("port") or "5432"
+    hosts = str(parts.get("host") or parts.get("hostaddr") or "localhost").split(",")
+    ports = str(parts.get("port") or "5432").split(",")
+    if len(ports) == 1:  # one port for every host (libpq's rule)
+        ports *= len(hosts)
     db = parts.get("dbname") or parts.get("user") or ""
-    return f"{host}:{port}/{db}"
+    servers = ",".join(
+        f"{h or 'localhost'}:{p or '5432'}" for h, p in zip(hosts, ports, strict=False)
+    )
+    return f"{servers}/{db}"
 
 
 def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailableError:
@@ -105,7 +110,8 @@ def lost(dsn: str, exc: BaseException, *, read_only: bool = False) -> DatabaseUn
     reason = lines[0].rsplit(" failed: ", 1)[-1] if lines else type(exc).__name__
     outcome = "" if read_only else "; the write may or may not have been applied"
     return DatabaseUnavailableError(
-        f"lost the connection to PostgreSQL at {describe_dsn(dsn)}: {reason}{outcome}"
+        f"lost the connection to PostgreSQL at {describe_dsn(dsn)}: {reason}{outcome}",
+        uncertain=not read_only,
     )
 
 

@@ -54,7 +54,23 @@ class WaitTimeoutError(PgQueueError, TimeoutError):
 
 class DatabaseUnavailableError(PgQueueError):
     """PostgreSQL could not be reached, or the connection was lost during a call; the message
-    says where and why, and for a lost write that it may or may not have been applied."""
+    says where and why, and for a lost write that it may or may not have been applied.
+
+    ``uncertain`` is True for that last case only: the write was sent and its answer lost, so
+    it may have been committed (pgqueue never sends it again; see docs/failover.md). False:
+    nothing of the call was written."""
+
+    def __init__(self, message: str, *, uncertain: bool = False) -> None:
+        super().__init__(message)
+        self.uncertain = uncertain
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy.copy and pickle rebuild the error with its flag (the coalescer copies errors).
+        return (_unavailable, (str(self), self.uncertain))
+
+
+def _unavailable(message: str, uncertain: bool) -> DatabaseUnavailableError:
+    return DatabaseUnavailableError(message, uncertain=uncertain)
 
 
 class Retry(Exception):

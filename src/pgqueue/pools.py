@@ -14,9 +14,18 @@ Before an idle connection is used it is checked without a round trip: an idle co
 nothing to read, so a readable socket means the server has said goodbye (terminated the
 session, shut down, timed out the session) or the path reset it. Such a connection is closed
 and the statement goes to another idle one or a fresh connection, so it is never sent where it
-would fail. That is the only retry of a write: once a statement is sent, a lost connection
-cannot tell whether it ran (libpq reports even a failed write only with the read after it), so
-the caller gets ``DatabaseUnavailableError`` saying so. Pure reads are retried once.
+would fail.
+
+A call retries, with capped exponential backoff for up to ``retry_for`` seconds (the App's
+``reconnect_timeout``), only what proves that nothing of it was committed: a connection that
+could not be made (refused, the server starting up or shutting down, 57P03, a standby refused by
+``target_session_attrs=read-write`` during a failover), and a statement PostgreSQL refused
+because the server is read-only (25006: a standby not promoted yet). A connection failure that
+no wait can fix (a wrong password, an unknown database) is raised at once. Once a write is sent,
+a lost connection cannot tell whether it ran (libpq reports even a failed write only with the
+read after it; a server shut down or crashed mid-COMMIT may have committed it), so the caller
+gets ``DatabaseUnavailableError`` with ``uncertain`` set and the write is never sent again.
+Pure reads are retried like connection failures, lost connection included.
 
 An async pool belongs to the loop that made it. ``asyncio.run()`` (and ``asyncio.Runner``)
 close every async generator still open in their loop before closing it
@@ -28,8 +37,8 @@ loop closed another way is noticed on the next use from any loop, or by ``App.cl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
+import random
 import select
 import threading
 import time
@@ -42,6 +51,7 @@ from psycopg import conninfo
 from psycopg.pq import ConnStatus, TransactionStatus
 
 from . import db
+from .errors import DatabaseUnavailableError
 
 T = TypeVar("T")
 SyncConn = psycopg.Connection[Any]
@@ -52,6 +62,21 @@ MAX_SIZE = 8
 #: Seconds an unused connection is kept; older ones are closed on the next use of their pool.
 MAX_IDLE = 600.0
 APPLICATION_NAME = "pgqueue-producer"
+#: Seconds a call retries, by default, while PostgreSQL cannot take it (App's reconnect_timeout).
+RETRY_FOR = 15.0
+#: The first pause between retries; it doubles up to RETRY_MAX (see Retries).
+RETRY_FIRST = 0.05
+RETRY_MAX = 1.0
+#: Connection failures that waiting does not fix (libpq's words; its connection errors carry no
+#: SQLSTATE): raised at once instead of retried.
+PERMANENT = (
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",
+    "password",
+    "permission denied",
+    "not support",
+)
 #: Defaults for what the DSN (or libpq's environment variable) does not set. Without them a
 #: statement to a server that vanished from the network waits for TCP's own timeouts (minutes);
 #: with them it fails within about 15 s, and a connect within 10 s.
@@ -115,6 +140,76 @@ class _Lost(Exception):
         self.cause = cause
 
 
+class _NotDone(Exception):
+    """Nothing of the call was committed, and it may be sent again: ``error`` is what the
+    caller gets if the retries run out."""
+
+    def __init__(self, error: DatabaseUnavailableError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def permanent(exc: BaseException) -> bool:
+    """Whether a failed connect is a configuration error rather than an unavailable server."""
+    text = str(exc).lower()
+    return any(words in text for words in PERMANENT)
+
+
+def standby_refused(exc: psycopg.Error) -> bool:
+    """PostgreSQL refused the statement because the server is a standby (25006): nothing of it
+    was written, and after a promotion (or on another host) it goes through."""
+    return exc.sqlstate == "25006"
+
+
+class Retries:
+    """The retry budget of one call: pauses drawn between half and all of a ceiling that
+    doubles up to RETRY_MAX (callers that failed together do not retry in step), for at most
+    ``retry_for`` seconds from the first failure."""
+
+    def __init__(self, retry_for: float) -> None:
+        self.retry_for = retry_for
+        self.deadline: float | None = None
+        self.ceiling = RETRY_FIRST
+        self.tries = 0
+
+    def pause(self) -> float | None:
+        """Seconds to wait before the next try, or None when the budget is spent."""
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.retry_for
+        if now >= self.deadline:
+            return None
+        self.tries += 1
+        pause = random.uniform(self.ceiling / 2, self.ceiling)
+        self.ceiling = min(self.ceiling * 2, RETRY_MAX)
+        return min(pause, self.deadline - now)
+
+    def gave_up(
+        self, error: DatabaseUnavailableError, *, wrote: bool = False
+    ) -> DatabaseUnavailableError:
+        """What the caller gets when the budget is spent: ``error``, saying how long it was
+        retried and, for a write, that nothing of it was written."""
+        if not self.tries:
+            return error
+        outcome = "; nothing was written" if wrote else ""
+        return DatabaseUnavailableError(f"{error} (retried for {self.retry_for:g} s){outcome}")
+
+
+def unreachable(dsn: str, exc: BaseException) -> _NotDone | DatabaseUnavailableError:
+    """A failed connect: retryable unless the settings themselves are wrong."""
+    error = db.unavailable(dsn, exc)
+    return error if permanent(exc) else _NotDone(error)
+
+
+def refused_as_read_only(dsn: str, exc: psycopg.Error) -> _NotDone:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "read-only server"
+    return _NotDone(
+        DatabaseUnavailableError(
+            f"PostgreSQL at {db.describe_dsn(dsn)} is read-only (a standby): {reason}"
+        )
+    )
+
+
 def _close(conn: SyncConn | AsyncConn) -> None:
     # libpq's PQfinish is synchronous and needs no event loop, so a sync and an async
     # connection close alike, from any thread, even after their loop has closed.
@@ -137,9 +232,11 @@ class _Idle(Generic[C]):
     """What the sync and async pools share: the idle connections (newest last, so the oldest
     age out) under a thread lock, since ``App.close()`` may close them from any thread."""
 
-    def __init__(self, dsn: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, dsn: str, kwargs: dict[str, Any], retry_for: float) -> None:
         self.dsn = dsn
         self.kwargs = kwargs
+        #: Seconds a call retries while PostgreSQL cannot take it (see the module docstring).
+        self.retry_for = retry_for
         self.closed = False
         self._idle: list[tuple[float, C]] = []
         self._lock = threading.Lock()
@@ -186,17 +283,34 @@ class _Idle(Generic[C]):
 class Pool(_Idle[SyncConn]):
     """Sync producer connections, shared by threads."""
 
-    def __init__(self, dsn: str, kwargs: dict[str, Any]) -> None:
-        super().__init__(dsn, kwargs)
+    def __init__(self, dsn: str, kwargs: dict[str, Any], retry_for: float = 0.0) -> None:
+        super().__init__(dsn, kwargs, retry_for)
         self._slots = threading.BoundedSemaphore(MAX_SIZE)
 
     def take(self) -> SyncConn:
-        """A checked idle connection or a new one (DatabaseUnavailableError if it cannot be
-        made); give it back with ``give_back``."""
+        """A checked idle connection or a new one, retried while the server is unavailable
+        (DatabaseUnavailableError once ``retry_for`` is spent); give it back with
+        ``give_back``."""
+        retries = Retries(self.retry_for)
+        while True:
+            try:
+                return self._take()
+            except _NotDone as exc:
+                pause = retries.pause()
+                if pause is None:
+                    raise retries.gave_up(exc.error) from None
+                time.sleep(pause)
+
+    def _take(self) -> SyncConn:
         self._slots.acquire()
         try:
             conn = self._pop()
-            return conn if conn is not None else db.connect(self.dsn, **self.kwargs)
+            if conn is not None:
+                return conn
+            try:
+                return psycopg.connect(self.dsn, **self.kwargs)
+            except psycopg.OperationalError as exc:
+                raise unreachable(self.dsn, exc) from None
         except BaseException:
             self._slots.release()
             raise
@@ -207,24 +321,46 @@ class Pool(_Idle[SyncConn]):
         finally:
             self._slots.release()
 
-    def run(self, statement: Callable[[SyncConn], T], *, read_only: bool = False) -> T:
-        """``statement`` on one of the pool's connections. A lost connection is a
-        DatabaseUnavailableError, after one more try on a fresh connection if ``read_only``."""
-        if read_only:
-            with contextlib.suppress(_Lost):
-                return self._once(statement)
-        try:
-            return self._once(statement)
-        except _Lost as exc:
-            raise db.lost(self.dsn, exc.cause, read_only=read_only) from None
+    def run(
+        self, statement: Callable[[SyncConn], T], *, read_only: bool = False,
+        replayable: bool = True,
+    ) -> T:  # fmt: skip
+        """``statement`` on one of the pool's connections, retried while nothing of it can
+        have been committed (see the module docstring); ``read_only`` also after a lost
+        connection. ``replayable=False`` (a statement that consumes its input as it goes)
+        retries only connecting. A lost connection is a DatabaseUnavailableError."""
+        retries = Retries(self.retry_for)
+        lost_once = False
+        while True:
+            try:
+                return self._once(statement, replay=replayable)
+            except _NotDone as exc:
+                error = exc.error
+            except _Lost as exc:
+                if not read_only:
+                    raise db.lost(self.dsn, exc.cause) from None
+                if not lost_once:  # a read goes once more at once, whatever the budget
+                    lost_once = True
+                    continue
+                error = db.lost(self.dsn, exc.cause, read_only=True)
+            pause = retries.pause()
+            if pause is None:
+                raise retries.gave_up(error, wrote=not read_only) from None
+            time.sleep(pause)
 
-    def _once(self, statement: Callable[[SyncConn], T]) -> T:
-        conn = self.take()
+    def _once(self, statement: Callable[[SyncConn], T], *, replay: bool) -> T:
+        conn = self._take()
         try:
             return statement(conn)
         except psycopg.OperationalError as exc:
             if lost(conn, exc):
                 raise _Lost(exc) from exc
+            raise
+        except psycopg.Error as exc:
+            if standby_refused(exc):
+                _close(conn)  # a standby: the next try connects again, maybe elsewhere
+                refused = refused_as_read_only(self.dsn, exc)
+                raise refused if replay else refused.error from None
             raise
         finally:
             self.give_back(conn)
@@ -233,8 +369,11 @@ class Pool(_Idle[SyncConn]):
 class AsyncPool(_Idle[AsyncConn]):
     """One event loop's producer connections."""
 
-    def __init__(self, dsn: str, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(dsn, kwargs)
+    def __init__(
+        self, dsn: str, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop,
+        retry_for: float = 0.0,
+    ) -> None:  # fmt: skip
+        super().__init__(dsn, kwargs, retry_for)
         #: Held, not weakly referenced: while the pool exists its loop cannot be collected and
         #: its id() reused by a new loop.
         self.loop = loop
@@ -247,10 +386,26 @@ class AsyncPool(_Idle[AsyncConn]):
         await anext(self._end_hook)
 
     async def take(self) -> AsyncConn:
+        retries = Retries(self.retry_for)
+        while True:
+            try:
+                return await self._take()
+            except _NotDone as exc:
+                pause = retries.pause()
+                if pause is None:
+                    raise retries.gave_up(exc.error) from None
+                await asyncio.sleep(pause)
+
+    async def _take(self) -> AsyncConn:
         await self._slots.acquire()
         try:
             conn = self._pop()
-            return conn if conn is not None else await db.connect_async(self.dsn, **self.kwargs)
+            if conn is not None:
+                return conn
+            try:
+                return await psycopg.AsyncConnection.connect(self.dsn, **self.kwargs)
+            except psycopg.OperationalError as exc:
+                raise unreachable(self.dsn, exc) from None
         except BaseException:
             self._slots.release()
             raise
@@ -262,24 +417,42 @@ class AsyncPool(_Idle[AsyncConn]):
             self._slots.release()
 
     async def run(
-        self, statement: Callable[[AsyncConn], Awaitable[T]], *, read_only: bool = False
-    ) -> T:
+        self, statement: Callable[[AsyncConn], Awaitable[T]], *, read_only: bool = False,
+        replayable: bool = True,
+    ) -> T:  # fmt: skip
         """The async twin of ``Pool.run``."""
-        if read_only:
-            with contextlib.suppress(_Lost):
-                return await self._once(statement)
-        try:
-            return await self._once(statement)
-        except _Lost as exc:
-            raise db.lost(self.dsn, exc.cause, read_only=read_only) from None
+        retries = Retries(self.retry_for)
+        lost_once = False
+        while True:
+            try:
+                return await self._once(statement, replay=replayable)
+            except _NotDone as exc:
+                error = exc.error
+            except _Lost as exc:
+                if not read_only:
+                    raise db.lost(self.dsn, exc.cause) from None
+                if not lost_once:  # a read goes once more at once, whatever the budget
+                    lost_once = True
+                    continue
+                error = db.lost(self.dsn, exc.cause, read_only=True)
+            pause = retries.pause()
+            if pause is None:
+                raise retries.gave_up(error, wrote=not read_only) from None
+            await asyncio.sleep(pause)
 
-    async def _once(self, statement: Callable[[AsyncConn], Awaitable[T]]) -> T:
-        conn = await self.take()
+    async def _once(self, statement: Callable[[AsyncConn], Awaitable[T]], *, replay: bool) -> T:
+        conn = await self._take()
         try:
             return await statement(conn)
         except psycopg.OperationalError as exc:
             if lost(conn, exc):
                 raise _Lost(exc) from exc
+            raise
+        except psycopg.Error as exc:
+            if standby_refused(exc):
+                _close(conn)
+                refused = refused_as_read_only(self.dsn, exc)
+                raise refused if replay else refused.error from None
             raise
         finally:
             self.give_back(conn)
@@ -296,7 +469,7 @@ class LoopPools:
     """The async pools of one App, one per event loop that used it. ``settings`` gives the
     DSN and connection keywords (called when a pool is made, not on every statement)."""
 
-    def __init__(self, settings: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    def __init__(self, settings: Callable[[], tuple[str, dict[str, Any], float]]) -> None:
         self.settings = settings
         self._pools: dict[int, AsyncPool] = {}
         self._lock = threading.Lock()
@@ -313,7 +486,8 @@ class LoopPools:
             self._sweep()
             pool = self._pools.get(id(loop))
         if pool is None or pool.closed:
-            pool = AsyncPool(*self.settings(), loop)
+            dsn, kwargs, retry_for = self.settings()
+            pool = AsyncPool(dsn, kwargs, loop, retry_for)
             # Registered before the first await, so a second task of this loop finds it.
             with self._lock:
                 self._pools[id(loop)] = pool

@@ -1124,9 +1124,9 @@ WHERE j.id = p.id AND j.lease_token = p.token AND j.status::text = 'running'
 RETURNING j.id
 
 -- name: untracked_jobs
--- Jobs running under this worker's lease that it does not track (only a bug can leave one; jobs
--- it gave up or abandoned it expires itself). The heartbeat asks now and then, not every beat:
--- this reads every running row.
+-- Jobs running under this worker's lease that it does not track (a bug, or a claim whose answer
+-- a failover lost; jobs it gave up or abandoned it expires itself). The heartbeat asks now and
+-- then and after an outage, not every beat: this reads every running row.
 SELECT j.id, j.lease_token FROM {schema}.pgqueue_jobs j
 WHERE j.status = 'running' AND j.worker_id = %(worker_id)s
   AND NOT EXISTS (SELECT FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS h(id, token)

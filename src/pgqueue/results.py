@@ -6,18 +6,30 @@ A waiter listens on the schema's done channel (``db.done_channel_for``) and hold
 for. The waiter looks at the job when it starts listening (so a job that finished before is
 answered at once), at every announcement naming it, and every ``LOOK_EVERY`` seconds besides:
 an announcement lost with a connection costs latency, never the answer.
+
+Waiting only reads, so a lost connection (a failover, a restart) is not the caller's problem
+while the app's ``reconnect_timeout`` lasts: the waiter connects again with backoff, listens
+again and looks at the job again. A connection refused for good (a wrong password, an unknown
+database), or an outage longer than that, is ``DatabaseUnavailableError``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from . import db
-from .errors import JobCancelledError, JobFailedError, JobNotFoundError, WaitTimeoutError
+from . import db, pools
+from .errors import (
+    DatabaseUnavailableError,
+    JobCancelledError,
+    JobFailedError,
+    JobNotFoundError,
+    WaitTimeoutError,
+)
 from .jobs import Job, Status
 from .sql import Queries
 
@@ -56,49 +68,94 @@ def _timeout_error(job_id: int, timeout: float | None) -> WaitTimeoutError:
     return WaitTimeoutError(f"job {job_id} had not finished after {timeout:g} s (it goes on)")
 
 
+class _Reconnect:
+    """The retry budget of a waiter: spent while it cannot reach PostgreSQL, renewed every time
+    it connects (a long wait may meet more than one outage)."""
+
+    def __init__(self, dsn: str, retry_for: float, deadline: float | None) -> None:
+        self.dsn = dsn
+        self.retry_for = retry_for
+        self.deadline = deadline
+        self.retries = pools.Retries(retry_for)
+
+    def connected(self) -> None:
+        self.retries = pools.Retries(self.retry_for)
+
+    def pause(self, exc: BaseException) -> float:
+        """Seconds to wait before connecting again, or raise the error for the caller."""
+        error = exc if isinstance(exc, DatabaseUnavailableError) else db.unavailable(self.dsn, exc)
+        pause = None if pools.permanent(exc) else self.retries.pause()
+        if pause is not None and self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            pause = None if left <= 0 else min(pause, left)  # the wait's own timeout is up
+        if pause is None:
+            raise self.retries.gave_up(error) from None
+        return pause
+
+
 def wait(
     dsn: str, options: dict[str, Any], q: Queries, schema: str, job_id: int,
-    timeout: float | None,
+    timeout: float | None, retry_for: float = 0.0,
 ) -> Any:  # fmt: skip
     deadline = None if timeout is None else time.monotonic() + timeout
-    with db.connect(dsn, **options) as conn:
+    reconnect = _Reconnect(dsn, retry_for, deadline)
+    while True:
         try:
-            conn.execute(_listen(db.done_channel_for(schema)))
-            conn.execute(q.announce_result_wait)
-            while True:
-                done, result = settle(job_id, conn.execute(q.get_job, {"id": job_id}).fetchone())
-                if done:
-                    return result
-                left = LOOK_EVERY if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise _timeout_error(job_id, timeout)
-                for notify in conn.notifies(timeout=min(left, LOOK_EVERY)):
-                    if _names(notify.payload, job_id):
-                        break
-        except psycopg.OperationalError as exc:
-            raise db.unavailable(dsn, exc) from None
+            return _wait(dsn, options, q, schema, job_id, timeout, deadline, reconnect)
+        except (psycopg.OperationalError, DatabaseUnavailableError) as exc:
+            time.sleep(reconnect.pause(exc))
+
+
+def _wait(
+    dsn: str, options: dict[str, Any], q: Queries, schema: str, job_id: int,
+    timeout: float | None, deadline: float | None, reconnect: _Reconnect,
+) -> Any:  # fmt: skip
+    with psycopg.connect(dsn, autocommit=True, **options) as conn:
+        reconnect.connected()
+        conn.execute(_listen(db.done_channel_for(schema)))
+        conn.execute(q.announce_result_wait)
+        while True:
+            done, result = settle(job_id, conn.execute(q.get_job, {"id": job_id}).fetchone())
+            if done:
+                return result
+            left = LOOK_EVERY if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise _timeout_error(job_id, timeout)
+            for notify in conn.notifies(timeout=min(left, LOOK_EVERY)):
+                if _names(notify.payload, job_id):
+                    break
 
 
 async def wait_async(
     dsn: str, options: dict[str, Any], q: Queries, schema: str, job_id: int,
-    timeout: float | None,
+    timeout: float | None, retry_for: float = 0.0,
 ) -> Any:  # fmt: skip
     deadline = None if timeout is None else time.monotonic() + timeout
-    conn = await db.connect_async(dsn, **options)
-    async with conn:
+    reconnect = _Reconnect(dsn, retry_for, deadline)
+    while True:
         try:
-            await conn.execute(_listen(db.done_channel_for(schema)))
-            await conn.execute(q.announce_result_wait)
-            while True:
-                cur = await conn.execute(q.get_job, {"id": job_id})
-                done, result = settle(job_id, await cur.fetchone())
-                if done:
-                    return result
-                left = LOOK_EVERY if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise _timeout_error(job_id, timeout)
-                async for notify in conn.notifies(timeout=min(left, LOOK_EVERY)):
-                    if _names(notify.payload, job_id):
-                        break
-        except psycopg.OperationalError as exc:
-            raise db.unavailable(dsn, exc) from None
+            return await _wait_async(dsn, options, q, schema, job_id, timeout, deadline, reconnect)
+        except (psycopg.OperationalError, DatabaseUnavailableError) as exc:
+            await asyncio.sleep(reconnect.pause(exc))
+
+
+async def _wait_async(
+    dsn: str, options: dict[str, Any], q: Queries, schema: str, job_id: int,
+    timeout: float | None, deadline: float | None, reconnect: _Reconnect,
+) -> Any:  # fmt: skip
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **options)
+    async with conn:
+        reconnect.connected()
+        await conn.execute(_listen(db.done_channel_for(schema)))
+        await conn.execute(q.announce_result_wait)
+        while True:
+            cur = await conn.execute(q.get_job, {"id": job_id})
+            done, result = settle(job_id, await cur.fetchone())
+            if done:
+                return result
+            left = LOOK_EVERY if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise _timeout_error(job_id, timeout)
+            async for notify in conn.notifies(timeout=min(left, LOOK_EVERY)):
+                if _names(notify.payload, job_id):
+                    break

@@ -345,7 +345,7 @@ def test_status_counts_per_queue_and_status(app: pgqueue.App, conn: Conn) -> Non
 
 
 def test_unreachable_database_is_a_clear_error() -> None:
-    app = pgqueue.App("postgresql://postgres@127.0.0.1:1/x")
+    app = pgqueue.App("postgresql://postgres@127.0.0.1:1/x", reconnect_timeout=0)
     with pytest.raises(pgqueue.DatabaseUnavailableError, match=r"cannot connect .*127.0.0.1:1/x"):
         app.enqueue("t", {}, allow_unknown=True)
     with pytest.raises(pgqueue.DatabaseUnavailableError):

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import conninfo
+from psycopg import conninfo, sql
 
 import pgqueue
 from pgqueue import DatabaseUnavailableError, pools
@@ -243,7 +243,91 @@ def test_a_write_whose_connection_dies_mid_statement_is_not_retried(
     assert len(failure) == 1 and isinstance(failure[0], DatabaseUnavailableError)
     assert str(failure[0]).startswith("lost the connection to PostgreSQL at ")
     assert str(failure[0]).endswith("the write may or may not have been applied")
+    assert failure[0].uncertain
     assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (1,)
+
+
+# --- a read-only server (a standby not promoted yet) ------------------------------------------
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[object]:
+    """Calls of ``pools.<name>`` (a failure the pool retries) from now on."""
+    calls: list[object] = []
+    original = getattr(pools, name)
+
+    def counting(*args: Any) -> Any:
+        result = original(*args)
+        calls.append(result)
+        return result
+
+    monkeypatch.setattr(pools, name, counting)
+    return calls
+
+
+def _set_read_only(conn: Conn, on: bool) -> None:
+    """Every new session of the test's database read-only (as on a standby), or not."""
+    database = sql.Identifier(str(conn.info.dbname))
+    if on:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
+        )
+    else:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database)
+        )
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async", "coalesce"])
+def test_a_write_refused_as_read_only_is_retried_until_the_server_takes_it(
+    dsn: str, conn: Conn, flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """25006 proves nothing was written: the call waits (as during a promotion) and the job is
+    written once the server accepts writes, exactly once."""
+    refusals = _counted(monkeypatch, "standby_refused")
+    app = pgqueue.App(dsn, reconnect_timeout=60, coalesce=flavour == "coalesce")
+    _set_read_only(conn, True)
+    outcome: list[object] = []
+
+    def enqueue() -> None:
+        try:
+            if flavour == "sync":
+                outcome.append(app.enqueue("t", {"n": 1}, allow_unknown=True))
+            else:
+                outcome.append(asyncio.run(app.enqueue_async("t", {"n": 1}, allow_unknown=True)))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=enqueue)
+    try:
+        thread.start()
+        wait_until(lambda: len(refusals) >= 3 or outcome, what="refused tries")
+        assert not outcome, outcome
+        _set_read_only(conn, False)
+        thread.join(60)
+        assert not thread.is_alive()
+    finally:
+        _set_read_only(conn, False)
+        app.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (1,)
+
+
+def test_a_server_that_stays_read_only_is_a_clear_error_once_the_budget_is_spent(
+    dsn: str, conn: Conn
+) -> None:
+    app = pgqueue.App(dsn, reconnect_timeout=0.5)
+    _set_read_only(conn, True)
+    try:
+        with pytest.raises(DatabaseUnavailableError) as info:
+            app.enqueue("t", {}, allow_unknown=True)
+    finally:
+        _set_read_only(conn, False)
+        app.close()
+    message = str(info.value)
+    assert "is read-only (a standby)" in message and "\n" not in message
+    assert message.endswith("(retried for 0.5 s); nothing was written")
+    assert not info.value.uncertain
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
 
 
 # --- a server that goes down and comes back -----------------------------------------------------
@@ -265,7 +349,7 @@ def own_server() -> Iterator[EmbeddedPostgres]:
 def test_server_outage_is_a_prompt_clear_error_and_the_app_recovers(
     own_server: EmbeddedPostgres, mode: str
 ) -> None:
-    app = pgqueue.App(own_server.dsn)
+    app = pgqueue.App(own_server.dsn, reconnect_timeout=0)
     runner = asyncio.Runner()
     try:
         job = app.enqueue("t", {}, allow_unknown=True)
@@ -302,3 +386,115 @@ def test_server_outage_is_a_prompt_clear_error_and_the_app_recovers(
     finally:
         runner.close()
         app.close()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_call_made_while_the_server_is_down_waits_for_it_and_writes_once(
+    own_server: EmbeddedPostgres, flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connection refused proves nothing was sent: the call retries with backoff until the
+    server is back (within reconnect_timeout), and its job is written exactly once."""
+    refused = _counted(monkeypatch, "unreachable")
+    app = pgqueue.App(own_server.dsn, reconnect_timeout=120)
+    outcome: list[object] = []
+
+    def enqueue() -> None:
+        try:
+            if flavour == "sync":
+                outcome.append(app.enqueue("t", {"down": flavour}, allow_unknown=True))
+            else:
+                outcome.append(
+                    asyncio.run(app.enqueue_async("t", {"down": flavour}, allow_unknown=True))
+                )
+        except BaseException as exc:
+            outcome.append(exc)
+
+    own_server.stop_server("immediate")
+    thread = threading.Thread(target=enqueue)
+    try:
+        thread.start()
+        wait_until(lambda: len(refused) >= 3 or outcome, what="refused connects")
+        assert not outcome, outcome
+    finally:
+        own_server.start_server()
+    thread.join(120)
+    app.close()
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+    with psycopg.connect(own_server.dsn) as check:
+        rows = check.execute(
+            "SELECT count(*) FROM pgqueue_jobs WHERE args->>'down' = %s", (flavour,)
+        ).fetchone()
+    assert rows == (1,)
+
+
+def test_retries_end_with_a_clear_error_and_bad_settings_are_not_retried(
+    own_server: EmbeddedPostgres,
+) -> None:
+    down = pgqueue.App("postgresql://postgres@127.0.0.1:1/x", reconnect_timeout=0.5)
+    with pytest.raises(DatabaseUnavailableError) as info:
+        down.enqueue("t", {}, allow_unknown=True)
+    assert str(info.value).startswith("cannot connect to PostgreSQL at 127.0.0.1:1/x: ")
+    assert str(info.value).endswith("(retried for 0.5 s); nothing was written")
+    assert not info.value.uncertain
+    # An unknown database: waiting cannot fix it, so it is raised at once.
+    wrong = pgqueue.App(conninfo.make_conninfo(own_server.dsn, dbname="nope"))
+    started = time.monotonic()
+    with pytest.raises(DatabaseUnavailableError, match='database "nope" does not exist'):
+        wrong.enqueue("t", {}, allow_unknown=True)
+    assert time.monotonic() - started < wrong.reconnect_timeout
+
+
+def test_a_commit_that_was_lost_while_waiting_for_a_standby_is_not_retried(
+    own_server: EmbeddedPostgres,
+) -> None:
+    """With synchronous replication a COMMIT is local before the standby confirms it: a session
+    terminated during that wait has committed, but its client only sees the connection end.
+    The call raises DatabaseUnavailableError(uncertain=True) and never sends the job again."""
+    app = pgqueue.App(own_server.dsn)
+    outcome: list[object] = []
+    with psycopg.connect(own_server.dsn, autocommit=True) as admin:
+        admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+        admin.execute("SELECT pg_reload_conf()")
+        try:
+
+            def enqueue() -> None:
+                try:
+                    outcome.append(app.enqueue("t", {"sync": "lost"}, allow_unknown=True))
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=enqueue)
+            thread.start()
+            waiting = "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+            pid = wait_until(lambda: admin.execute(waiting).fetchone(), what="a SyncRep wait")[0]
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            thread.join(30)
+            assert not thread.is_alive()
+        finally:
+            admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            admin.execute("SELECT pg_reload_conf()")
+            app.close()
+        rows = admin.execute(
+            "SELECT count(*) FROM pgqueue_jobs WHERE args->>'sync' = 'lost'"
+        ).fetchone()
+    assert len(outcome) == 1 and isinstance(outcome[0], DatabaseUnavailableError), outcome
+    assert outcome[0].uncertain
+    assert rows == (1,)  # committed locally, once
+
+
+def test_a_bulk_enqueue_refused_as_read_only_is_not_replayed_but_says_nothing_was_written(
+    dsn: str, conn: Conn
+) -> None:
+    """enqueue_many checks its jobs as the COPY consumes them, so it cannot start over: a
+    read-only server is DatabaseUnavailableError at once (nothing written), not psycopg's."""
+    app = pgqueue.App(dsn, reconnect_timeout=60)
+    _set_read_only(conn, True)
+    try:
+        with pytest.raises(DatabaseUnavailableError, match="is read-only") as info:
+            app.enqueue_many([("t", {})] * 3, allow_unknown=True)
+    finally:
+        _set_read_only(conn, False)
+        app.close()
+    assert not info.value.uncertain
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)

@@ -143,3 +143,33 @@ async def test_nobody_waiting_means_no_announcements(app: pgqueue.App, conn: Con
         )
         await asyncio.sleep(0.3)
     assert list(conn.notifies(timeout=0.2)) == []
+
+
+async def test_a_waiter_whose_connection_is_lost_connects_again_and_gets_the_answer(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Waiting only reads: a lost connection (here terminated, as in a failover) is not the
+    caller's problem while ``reconnect_timeout`` lasts."""
+    gate = asyncio.Event()
+
+    @app.task
+    async def slow() -> str:
+        await gate.wait()
+        return "done"
+
+    job = slow.enqueue()
+    # The waiter's session: the only one without an application name besides ``conn``.
+    waiter_session = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = '' AND pid <> pg_backend_pid()"
+    )
+    async with running_worker(app, **NO_POLL):
+        waiter = asyncio.create_task(app.wait_async(job, timeout=60))
+        (pid,) = await wait_until_async(lambda: conn.execute(waiter_session).fetchone())
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        await wait_until_async(
+            lambda: (conn.execute(waiter_session).fetchone() or (pid,))[0] != pid
+        )
+        assert not waiter.done()
+        gate.set()
+        assert await asyncio.wait_for(waiter, 30) == "done"

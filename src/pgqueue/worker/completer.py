@@ -36,6 +36,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from ..sql import Queries
 from . import arrays
 from .executor import Outcome, ack_params
+from .outage import Outage
 from .state import round_failed
 
 log = logging.getLogger("pgqueue.worker.completer")
@@ -81,8 +82,10 @@ class Completer:
         on_given_up: Callable[[Outcome, str], None] = lambda o, reason: None,
         flush_interval: float = 0.002,
         batch_size: int = 500,
+        outage: Outage | None = None,
     ) -> None:
         self.pool = pool
+        self.outage = outage or Outage()
         self.q = q
         self.on_written = on_written
         #: Given an outcome the database refused and why: the plain failure to write instead.
@@ -145,10 +148,12 @@ class Completer:
         except Exception as exc:
             self._failures += 1
             pause = min(FAILED_RETRY * 2 ** (self._failures - 1), FAILED_RETRY_MAX)
-            round_failed(log, f"writing {len(batch)} results (next try in {pause:.1f} s)", exc)
+            what = f"writing {len(batch)} results (next try in {pause:.1f} s)"
+            round_failed(log, what, exc, self.outage)
             self._uncertain = True
             await asyncio.sleep(pause)
             return
+        self.outage.ok()
         self._failures = 0
         self._uncertain = False
         if not self.pending and not self._stopped:
@@ -210,7 +215,9 @@ class Completer:
                 self._has_work.set()
                 return
             self.busy += [(o, now + pauses[id(o)], pauses[id(o)]) for o in due]
-            round_failed(log, f"writing {len(due)} results whose rows were locked", exc)
+            round_failed(
+                log, f"writing {len(due)} results whose rows were locked", exc, self.outage
+            )
             return
         self._report(due, accepted, busy, pauses)
 

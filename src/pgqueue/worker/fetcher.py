@@ -438,9 +438,10 @@ class Fetcher:
                 try:
                     jobs = await self.claim_round(want)
                     failures = 0
+                    state.outage.ok()
                 except Exception as exc:
                     failures += 1
-                    round_failed(log, "claim", exc)
+                    round_failed(log, "claim", exc, state.outage)
                     await pause(stopping, min(0.1 * 2**failures, self.poll_interval * 5))
                     continue
                 if stopping.is_set():

@@ -18,7 +18,11 @@ handler is cancelled. Jobs abandoned when the lease ran out may still be the wor
 database (no reaper got there before the heartbeat came back): the next successful heartbeat
 expires their leases, so that the reaper records those attempts as failed. And every
 ``UNTRACKED_EVERY`` seconds the heartbeat asks for jobs running under this worker's lease that it
-does not track at all (only a bug can leave one); seen so twice running, they are expired too.
+does not track at all; seen so twice running, they are expired too. Besides a bug, a failover to
+a standby that asynchronous replication left behind makes such jobs: their claim reached the new
+primary, the ack this worker committed on the old one did not, and this worker's lease, which it
+keeps extending, covers them. So after an outage the next two successful heartbeats look, and
+those jobs run again within two heartbeat intervals instead of a minute or two.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class Heartbeat:
         #: Untracked jobs seen by the previous look (see the module docstring), and when.
         self._untracked: set[Key] = set()
         self._untracked_at = 0.0
+        #: Successful beats that look for untracked jobs whatever UNTRACKED_EVERY says (after
+        #: an outage: see the module docstring).
+        self._look_soon = 0
         self.beats = 0
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
@@ -176,12 +183,14 @@ class Heartbeat:
             gone = self._abandoned - state.held.keys()
             self._abandoned -= gone
             await self._give_up(conn, sorted(gone), "abandoned when the worker's lease ran out")
-        if sent_at - self._untracked_at >= UNTRACKED_EVERY:
+        if self._look_soon or sent_at - self._untracked_at >= UNTRACKED_EVERY:
             self._untracked_at = sent_at
-            await self._look_for_untracked(conn, held)
+            after_outage = self._look_soon > 0
+            self._look_soon = max(self._look_soon - 1, 0)
+            await self._look_for_untracked(conn, held, after_outage)
 
     async def _look_for_untracked(
-        self, conn: psycopg.AsyncConnection[Any], held: list[Held]
+        self, conn: psycopg.AsyncConnection[Any], held: list[Held], after_outage: bool = False
     ) -> None:
         cur = await conn.execute(
             self.q.untracked_jobs,
@@ -196,9 +205,19 @@ class Heartbeat:
         keys = sorted((untracked & self._untracked) - self.state.held.keys())
         self._untracked = untracked - set(keys)
         if keys:
-            await self._give_up(conn, keys, "running under this worker's lease, but untracked")
+            if after_outage:  # expected: a claim or an ack whose answer the outage lost
+                why = (
+                    "running under this worker's lease, but untracked after the database was "
+                    "unreachable (a claim whose answer was lost, or an ack lost in a failover)"
+                )
+                await self._give_up(conn, keys, why, level=logging.WARNING)
+            else:
+                await self._give_up(conn, keys, "running under this worker's lease, but untracked")
 
-    async def _give_up(self, conn: psycopg.AsyncConnection[Any], keys: list[Key], why: str) -> None:
+    async def _give_up(
+        self, conn: psycopg.AsyncConnection[Any], keys: list[Key], why: str,
+        level: int = logging.ERROR,
+    ) -> None:  # fmt: skip
         """End these attempts' leases: the reaper records them as failed."""
         if not keys:
             return
@@ -209,7 +228,8 @@ class Heartbeat:
         expired = [int(row[0]) for row in await cur.fetchall()]
         self.state.counters.given_up += len(expired)
         if expired:
-            log.error(
+            log.log(
+                level,
                 "jobs %s: %s; their leases were expired, and the reaper records the attempts "
                 "as failed", ", ".join(map(str, expired)), why,
             )  # fmt: skip
@@ -220,8 +240,10 @@ class Heartbeat:
                 # Bounded, connecting included: a blackholed connection must not stall the
                 # loop, or handlers would outlive their leases unnoticed.
                 await asyncio.wait_for(self.beat(), self.interval)
+                self.state.outage.ok()
             except Exception as exc:
-                round_failed(log, "heartbeat", exc)
+                round_failed(log, "heartbeat", exc, self.state.outage)
+                self._look_soon = 2
                 if self.conn is not None:
                     await self.conn.close()
                     self.conn = None

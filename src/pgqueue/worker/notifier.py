@@ -22,6 +22,7 @@ import psycopg
 from psycopg import sql
 
 from ..sql import Queries
+from .outage import Outage
 from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.notifier")
@@ -47,8 +48,10 @@ class Notifier:
         *,
         poll_interval: float,
         on_cancel: Callable[[str], None] = lambda job_id: None,
+        outage: Outage | None = None,
     ) -> None:
         self.dsn = dsn
+        self.outage = outage or Outage()
         self.on_cancel = on_cancel
         self.q = q
         self.channel = channel
@@ -65,6 +68,8 @@ class Notifier:
         self.waiting = False  # what the fetcher wants producers to know
         self.announced = False  # what they know: the lock is held on the connection
         self._changed = asyncio.Event()
+        #: The current connection got as far as LISTEN (its loss is a new outage).
+        self._established = False
 
     def set_waiting(self, waiting: bool) -> None:
         """Called by the fetcher after every claim: a short claim means it will wait for work."""
@@ -75,12 +80,15 @@ class Notifier:
     async def run(self, stopping: asyncio.Event) -> None:
         delay = 0.1
         while not stopping.is_set():
+            self._established = False
             try:
                 await self._listen(stopping)
                 delay = 0.1
             except Exception as exc:
+                if self._established:  # it had been listening: a new outage starts over
+                    delay = 0.1
                 self.listening.clear()
-                round_failed(log, "LISTEN (polling until it is back)", exc)
+                round_failed(log, "LISTEN (polling until it is back)", exc, self.outage)
             if stopping.is_set():
                 break
             # Jobs inserted while we were away are found by the fetcher's next claim.
@@ -98,6 +106,8 @@ class Notifier:
         async with conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             self.listening.set()
+            self._established = True
+            self.outage.ok()
             self.wake()  # anything inserted before LISTEN took effect
             try:
                 while not stopping.is_set():

@@ -146,8 +146,9 @@ class Reaper:
                 await self.reap()
                 if self.rounds % self.prune_every() == 0:
                     await self.prune()
+                self.state.outage.ok()
             except Exception as exc:
-                round_failed(log, "reaper round", exc)
+                round_failed(log, "reaper round", exc, self.state.outage)
             self.rounds += 1
             await pause(stopping, self.interval)
 

@@ -27,12 +27,14 @@ from .. import db, limits, producer, stats
 from ..errors import ConfigurationError, InvalidJobError, PgQueueError
 from ..jobs import MAX_DELAY_SECONDS
 from ..logcontext import job_fields
+from ..sql import Queries
 from .completer import Completer
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .health import HealthServer, Liveness
 from .heartbeat import Heartbeat
 from .notifier import Notifier
+from .outage import PoolNoise
 from .reaper import Reaper
 from .scheduler import Scheduler
 from .slots import JobRun, Slots
@@ -67,6 +69,11 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 _STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
 #: Job ids per NOTIFY of finished jobs (a payload stays well under PostgreSQL's 8,000 bytes).
 ANNOUNCE_CHUNK = 400
+#: Seconds psycopg_pool keeps retrying one lost connection before it gives up on it (the next
+#: request for a connection starts a new attempt at once). Its backoff doubles from 1 s without
+#: a cap: with its default (300 s) a pool could wait 16 s or more to try again after a 10 s
+#: failover, while a short budget keeps attempts about a second apart.
+POOL_RECONNECT_TIMEOUT = 2.0
 
 #: The default prefetch's floor. The buffer is the last 50 ms of completions at most, so this
 #: only matters for short jobs: with the concurrency as the only cap, no-op jobs drained at
@@ -255,6 +262,14 @@ class Worker:
         q = self.app.q
         name = f"pgqueue-worker:{os.getpid()}"
         await self._check_database(dsn)
+        pool_noise = PoolNoise(state.outage, name)
+        logging.getLogger("psycopg.pool").addFilter(pool_noise)
+        try:
+            await self._run(dsn, state, q, name)
+        finally:
+            logging.getLogger("psycopg.pool").removeFilter(pool_noise)
+
+    async def _run(self, dsn: str, state: WorkerState, q: Queries, name: str) -> None:
 
         def connect_kwargs(role: str) -> dict[str, Any]:
             return {
@@ -272,6 +287,7 @@ class Worker:
             timeout=10,
             name="pgqueue-worker",
             kwargs=connect_kwargs("pool"),
+            reconnect_timeout=POOL_RECONNECT_TIMEOUT,
         )
         await pool.open()
         self.pool = pool
@@ -284,6 +300,7 @@ class Worker:
             timeout=10,
             name="pgqueue-worker-acks",
             kwargs=connect_kwargs("acks"),
+            reconnect_timeout=POOL_RECONNECT_TIMEOUT,
         )
         await ack_pool.open()
         # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
@@ -308,6 +325,7 @@ class Worker:
             on_refused=self._on_refused,
             on_given_up=self._on_given_up,
             flush_interval=self.flush_interval,
+            outage=state.outage,
         )
         self.completer.idle = lambda: state.running == 0 and not state.buffer
         self.fetcher = Fetcher(
@@ -357,12 +375,15 @@ class Worker:
             connect_kwargs("listen"),
             poll_interval=self.poll_interval,
             on_cancel=self._on_cancel_notice,
+            outage=state.outage,
         )
         if self.listen:
             self.fetcher.on_waiting = self.notifier.set_waiting
-        self.scheduler = Scheduler(self.app, interval=min(self.poll_interval, 1.0))
+        self.scheduler = Scheduler(
+            self.app, interval=min(self.poll_interval, 1.0), outage=state.outage
+        )
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)
-        stats_writer = StatsWriter(pool, self.recorder, self.app.schema)
+        stats_writer = StatsWriter(pool, self.recorder, self.app.schema, outage=state.outage)
         services_stop = asyncio.Event()
         heartbeat_stop = asyncio.Event()
         # Signals first: once registered the worker counts as started, and a SIGTERM from then on

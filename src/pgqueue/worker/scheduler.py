@@ -29,6 +29,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..schedules import MissedPolicy, due_ticks, next_tick
+from .outage import Outage
 from .state import pause, round_failed
 
 if TYPE_CHECKING:
@@ -45,10 +46,11 @@ _BACKOFF_CAP = 30.0
 class Scheduler:
     """Syncs the app's declared schedules and fires due ticks; see the module docstring."""
 
-    def __init__(self, app: App, *, interval: float = 1.0) -> None:
+    def __init__(self, app: App, *, interval: float = 1.0, outage: Outage | None = None) -> None:
         if not interval > 0:
             raise ValueError("interval must be a positive number of seconds")
         self.app = app
+        self.outage = outage or Outage()
         self.q = app.q
         self.interval = float(interval)
         self.synced = False
@@ -197,11 +199,14 @@ class Scheduler:
                     fired = await self.tick(conn)
                     wait = await self.seconds_until_due(conn)
             except Exception as exc:
-                round_failed(log, f"scheduler round (next try in {backoff:.1f} s)", exc)
+                round_failed(
+                    log, f"scheduler round (next try in {backoff:.1f} s)", exc, self.outage
+                )
                 await pause(stop, backoff)
                 backoff = min(backoff * 2, _BACKOFF_CAP)
                 continue
             backoff = _BACKOFF_FIRST
+            self.outage.ok()
             if wait is None:
                 delay = self.interval
             elif wait > 0:

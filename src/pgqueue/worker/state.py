@@ -13,6 +13,8 @@ from uuid import UUID
 
 import psycopg
 
+from .outage import Outage
+
 if TYPE_CHECKING:
     from .slots import JobRun
 
@@ -116,6 +118,8 @@ class WorkerState:
     #: Set whenever there may be work: a NOTIFY, a freed slot, a poll tick.
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Whether the services reach the database: one log line per outage (see ``outage``).
+    outage: Outage = field(default_factory=Outage)
 
     @property
     def free_slots(self) -> int:
@@ -133,11 +137,16 @@ class WorkerState:
 TRANSIENT = (psycopg.Error, OSError, TimeoutError)
 
 
-def round_failed(log: logging.Logger, what: str, exc: Exception) -> None:
-    """A service round failed; the service goes on. The database's and the network's errors
-    are expected (a warning); anything else (a MemoryError while a handler hogs memory, a bug)
+def round_failed(
+    log: logging.Logger, what: str, exc: Exception, outage: Outage | None = None
+) -> None:
+    """A service round failed; the service goes on. The database being unreachable is the
+    ``outage``'s to log (once per outage); other errors of the database and the network are
+    expected (a warning); anything else (a MemoryError while a handler hogs memory, a bug)
     gets its traceback, but must not end the service: a worker whose heartbeat stopped would
     hold its leases without extending them."""
+    if outage is not None and outage.failed(what, exc):
+        return
     if isinstance(exc, TRANSIENT):
         log.warning("%s failed (%s); will retry", what, exc)
     else:

@@ -11,6 +11,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from .. import stats
+from .outage import Outage
 from .state import pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.stats")
@@ -24,8 +25,10 @@ class StatsWriter:
         schema: str,
         *,
         retention: float = 3600.0,
+        outage: Outage | None = None,
     ) -> None:
         self.pool = pool
+        self.outage = outage or Outage()
         self.recorder = recorder
         self.schema = schema
         self.retention = retention
@@ -42,8 +45,9 @@ class StatsWriter:
         while not stopping.is_set():
             try:
                 await self.write(rounds)
+                self.outage.ok()
             except Exception as exc:  # counts are kept for the next flush
-                round_failed(log, "stats flush", exc)
+                round_failed(log, "stats flush", exc, self.outage)
             rounds += 1
             await pause(stopping, 1.0)
 

@@ -30,6 +30,10 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..sql import Queries
 
+#: As the worker's own pools (runtime.POOL_RECONNECT_TIMEOUT): after a failover, retry a lost
+#: connection about once a second, not after psycopg_pool's uncapped doubling.
+RECONNECT_TIMEOUT = 2.0
+
 #: Given the handler's result, the parameters of its success ack (``complete_jobs``).
 AckParams = Callable[[Any], dict[str, Any]]
 
@@ -85,6 +89,8 @@ class Transactions:
                 open=False,
                 kwargs=self.kwargs,
                 reset=_reset_async,
+                name="pgqueue-worker-handlers",
+                reconnect_timeout=RECONNECT_TIMEOUT,
             )
             await pool.open()
             self._async = pool
@@ -100,6 +106,8 @@ class Transactions:
                     open=True,
                     kwargs=self.kwargs,
                     reset=_reset_sync,
+                    name="pgqueue-worker-handlers",
+                    reconnect_timeout=RECONNECT_TIMEOUT,
                 )
             return self._sync
 
