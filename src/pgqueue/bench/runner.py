@@ -464,6 +464,8 @@ def render(results: Results, console: Console) -> None:
             f"insert, claim with SKIP LOCKED, ack; 3 durable commits per batch): "
             f"[bold]{c['rate']:,.0f} jobs/s[/bold]"
         )
+        if (line := _drain_share(results)) is not None:
+            console.print(line)
     steal = results.steal_note()
     if steal:
         console.print(f"[dim]{steal}[/dim]")
@@ -495,6 +497,9 @@ def markdown(results: Results) -> str:
             lines.append("| " + " | ".join(row) + " |")
     if results.ceiling:
         lines.append("")
+        if (line := _drain_share(results)) is not None:
+            lines.append(line.replace("[bold]", "**").replace("[/bold]", "**"))
+            lines.append("")
         lines.append(
             f"Database ceiling (pgbench, {results.ceiling['clients']:.0f} clients, batches of "
             f"{results.ceiling['batch']:.0f}): **{results.ceiling['rate']:,.0f} jobs/s**."
@@ -516,6 +521,22 @@ def load(path: Path, systems: list[System]) -> Results:
     results = Results(plan, chosen, runs=data["runs"], ceiling=data["ceiling"],
                       settings=data["postgresql"], started=data["started"])  # fmt: skip
     return results
+
+
+def _drain_share(results: Results) -> str | None:
+    """The drain-only ceiling, and the share of it pgqueue's two workers reached (issue 23's
+    target: at least 75 %)."""
+    drain = (results.ceiling or {}).get("drain_rate")
+    if not drain:
+        return None
+    line = (
+        f"drain-only ceiling (pgbench: claim a batch of pre-filled rows with SKIP LOCKED, ack it; "
+        f"2 durable commits per batch): [bold]{drain:,.0f} jobs/s[/bold]"
+    )
+    two = results.median("process_2", "pgqueue", "rate") if "process_2" in results.runs else None
+    if two:
+        line += f"; pgqueue's 2 workers reach [bold]{two / drain:.0%}[/bold] of it"
+    return line
 
 
 def _ratio(metric: Metric, values: dict[str, float | None], peers: list[System]) -> str:
