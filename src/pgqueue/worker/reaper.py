@@ -1,6 +1,9 @@
 """Recovers jobs whose lease expired, and keeps the tables small.
 
-Every worker runs one; there is no leader. The reaping statement locks what it takes and
+Every worker runs one; there is no leader. Rounds are spaced by the fleet's size (``spread``):
+each worker reaps about every ``interval`` times the live workers, jittered, so the fleet reaps
+about once per ``interval`` (on average) and 50 workers cost the database what one does. The
+reaping statement locks what it takes and
 re-checks the expired lease on the newest row version (see ``reap_expired_leases``), so two
 reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
 claimed again; it skips rows locked right now instead of waiting for them, so one stuck row
@@ -12,14 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
-
-import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from ..backoff import Backoff
 from ..sql import Queries
-from .state import WorkerState, pause, round_failed
+from .connections import Connections
+from .state import WorkerState, pause, round_failed, spread
 
 log = logging.getLogger("pgqueue.worker.reaper")
 
@@ -30,7 +30,7 @@ PRUNE_ROUNDS = 100  # at most a million rows per prune, then the next round goes
 class Reaper:
     def __init__(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: Connections,
         q: Queries,
         state: WorkerState,
         *,
@@ -39,7 +39,10 @@ class Reaper:
         lease: float,
         retention: float | None,
         wake: Callable[[list[str]], None] = lambda queues: None,
+        fleet: Callable[[], int] = lambda: 1,
     ) -> None:
+        #: The live workers (the heartbeat counts them): rounds are spaced by it.
+        self.fleet = fleet
         self.pool = pool
         self.q = q
         self.state = state
@@ -76,17 +79,19 @@ class Reaper:
 
     async def prune(self) -> int:
         """Delete expired finished jobs in bounded batches until none are left (so a busy queue
-        cannot outgrow its pruning); returns how many went."""
+        cannot outgrow its pruning); returns how many went. Each batch takes the connection
+        anew: the heartbeat shares this lane and waits for one batch at most."""
         pruned = 0
         async with self.pool.connection() as conn:
             await conn.execute(self.q.prune_workers, {"older_than": max(60.0, 3 * self.lease)})
-            if self.retention is None:
-                return 0
-            for _ in range(PRUNE_ROUNDS):
+        if self.retention is None:
+            return 0
+        for _ in range(PRUNE_ROUNDS):
+            async with self.pool.connection() as conn:
                 cur = await conn.execute(self.q.prune_finished_jobs, {"older_than": self.retention})
-                pruned += cur.rowcount
-                if cur.rowcount < PRUNE_BATCH:
-                    break
+            pruned += cur.rowcount
+            if cur.rowcount < PRUNE_BATCH:
+                break
         return pruned
 
     def prune_every(self) -> int:
@@ -103,4 +108,4 @@ class Reaper:
             except Exception as exc:
                 round_failed(log, "reaper round", exc)
             self.rounds += 1
-            await pause(stopping, self.interval)
+            await pause(stopping, spread(self.interval, self.fleet()))

@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from .. import db, limits, producer, stats
 from ..errors import ConfigurationError, InvalidJobError, PgQueueError
 from ..jobs import MAX_DELAY_SECONDS
 from ..logcontext import job_fields
 from .completer import Completer
+from .connections import DEFAULT_CONNECTIONS, WorkerPool, share, too_many_connections
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .health import HealthServer, Liveness
@@ -86,6 +86,14 @@ class Worker:
     - ``reaper_interval``: how often expired leases are looked for (default the heartbeat
       interval); ``retention``: seconds succeeded/cancelled jobs are kept (default one day,
       None keeps them);
+    - ``connections``: the most connections the worker holds for its own work (default 4: one
+      each for claims, acks and maintenance, and one for LISTEN; at least 1, which then does
+      everything and the worker polls). A fleet that would not fit the server's
+      ``max_connections`` gets less per worker (see ``pgqueue.worker.connections`` and the
+      "Fleet of workers" page);
+    - ``tx_pool_size``: connections for handlers that take a ``connection`` (transactional
+      completion), opened only when such a handler runs, closed when idle (default:
+      ``concurrency``); a handler beyond it waits for one;
     - ``event_loop``: the loop ``run_sync`` starts: ``"auto"`` (uvloop when it is installed, as
       it is by default on Linux and macOS: the loop's cost is paid per job), ``"uvloop"`` or
       ``"asyncio"``. ``await worker.run()`` runs on whatever loop the caller has;
@@ -116,12 +124,19 @@ class Worker:
         health_port: int | None = None,
         health_host: str = "0.0.0.0",
         health_file: str | os.PathLike[str] | None = None,
+        connections: int = DEFAULT_CONNECTIONS,
+        tx_pool_size: int | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError("concurrency must be a positive integer")
         prefetch = concurrency if prefetch is None else prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigurationError("prefetch must be a non-negative integer")
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ConfigurationError("connections must be a positive integer")
+        tx_pool_size = concurrency if tx_pool_size is None else tx_pool_size
+        if isinstance(tx_pool_size, bool) or not isinstance(tx_pool_size, int) or tx_pool_size < 1:
+            raise ConfigurationError("tx_pool_size must be a positive integer")
 
         def seconds(name: str, value: object, *, zero: bool = False) -> float:
             """A duration from 0 (or above it) up to MAX_DELAY_SECONDS: an infinite or huge
@@ -182,6 +197,10 @@ class Worker:
         self.id = uuid.uuid4()
         self.concurrency = concurrency
         self.prefetch = prefetch
+        #: Live workers at the last count (the heartbeat's), this one included.
+        self.fleet = 1
+        self.connections = connections
+        self.tx_pool_size = tx_pool_size
         self.event_loop = event_loop
         self.health_port = health_port
         self.health_host = health_host
@@ -220,7 +239,6 @@ class Worker:
         self.slots = Slots(state, self._execute)
         q = self.app.q
         name = f"pgqueue-worker:{os.getpid()}"
-        await self._check_database(dsn)
 
         def connect_kwargs(role: str) -> dict[str, Any]:
             return {
@@ -230,34 +248,19 @@ class Worker:
                 **self.app.connect_options,
             }
 
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-            dsn,
-            min_size=2,
-            max_size=4,
-            open=False,
-            timeout=10,
-            name="pgqueue-worker",
-            kwargs=connect_kwargs("pool"),
-        )
-        await pool.open()
-        self.pool = pool
-        # The acks' own connection: never behind a claim or a reaper round.
-        ack_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=1,
-            open=False,
-            timeout=10,
-            name="pgqueue-worker-acks",
-            kwargs=connect_kwargs("acks"),
-        )
-        await ack_pool.open()
+        # Every connection of the worker's own work, under one budget (see connections.py).
+        self.pool = pool = WorkerPool(dsn, connect_kwargs("pool"), size=self.connections)
+        try:
+            await self._check_database(pool)
+        except BaseException:
+            await pool.close()
+            raise
         # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
         # returns, and the headroom keeps such threads from starving the next handlers
         # (threads are only started when needed).
         threads = ThreadPoolExecutor(2 * self.concurrency, thread_name_prefix="pgqueue-task")
         self.transactions = Transactions(
-            dsn, q, self.concurrency, connect_kwargs("handler"), lock_timeout=self.lease
+            dsn, q, self.tx_pool_size, connect_kwargs("handler"), lock_timeout=self.lease
         )
         self.executor = Executor(self.app, self.id, threads, self.transactions)
 
@@ -268,7 +271,7 @@ class Worker:
 
         self.executor.results_of = results_of
         self.completer = Completer(
-            ack_pool,
+            pool.lane("acks"),
             q,
             self._on_written,
             on_refused=self._on_refused,
@@ -277,7 +280,7 @@ class Worker:
         )
         self.completer.idle = lambda: state.running == 0 and not state.buffer
         self.fetcher = Fetcher(
-            pool,
+            pool.lane("claims"),
             q,
             state,
             worker_id=self.id,
@@ -289,7 +292,7 @@ class Worker:
             schema=self.app.schema,
         )
         self.heartbeat = Heartbeat(
-            dsn,
+            pool.lane("maintenance"),
             q,
             state,
             worker_id=self.id,
@@ -299,10 +302,10 @@ class Worker:
             on_lost=self._on_lost,
             on_cancel=self._on_cancel,
             on_beat=self.liveness.beat,
-            connect_kwargs=connect_kwargs("heartbeat"),
+            on_fleet=self._on_fleet,
         )
         self.reaper = Reaper(
-            pool,
+            pool.lane("maintenance"),
             q,
             state,
             backoff=self.app.backoff,
@@ -310,6 +313,7 @@ class Worker:
             lease=self.lease,
             retention=self.retention,
             wake=self._wake_reaped,
+            fleet=self._fleet_size,
         )
         self.notifier = Notifier(
             dsn,
@@ -320,12 +324,15 @@ class Worker:
             connect_kwargs("listen"),
             poll_interval=self.poll_interval,
             on_cancel=self._on_cancel_notice,
+            budget=pool,
         )
         if self.listen:
             self.fetcher.on_waiting = self.notifier.set_waiting
         self.scheduler = Scheduler(self.app, interval=min(self.poll_interval, 1.0))
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)
-        stats_writer = StatsWriter(pool, self.recorder, self.app.schema)
+        stats_writer = StatsWriter(
+            pool.lane("maintenance"), self.recorder, self.app.schema, fleet=self._fleet_size
+        )
         services_stop = asyncio.Event()
         heartbeat_stop = asyncio.Event()
         # Signals first: once registered the worker counts as started, and a SIGTERM from then on
@@ -340,7 +347,6 @@ class Worker:
             await self._close_health()
             self._remove_signals()
             await self.heartbeat.close()
-            await ack_pool.close()
             await pool.close()
             threads.shutdown(wait=False)
             raise
@@ -350,7 +356,10 @@ class Worker:
         services = [
             asyncio.create_task(self.reaper.run(services_stop), name="reaper"),
             asyncio.create_task(self.completer.run(services_stop), name="completer"),
-            asyncio.create_task(self.scheduler.run(pool, services_stop), name="scheduler"),
+            asyncio.create_task(
+                self.scheduler.run(pool.lane("maintenance"), services_stop, self._fleet_size),
+                name="scheduler",
+            ),
             asyncio.create_task(stats_writer.run(services_stop), name="stats"),
         ]
         if self.listen:
@@ -387,7 +396,6 @@ class Worker:
                 task.cancel()
             await self.heartbeat.close()
             await self.transactions.close()
-            await ack_pool.close()
             await pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
             await self._close_health()
@@ -399,20 +407,37 @@ class Worker:
 
     # --- life cycle -----------------------------------------------------------------------
 
-    async def _check_database(self, dsn: str) -> None:
-        conn = await db.connect_async(dsn)
-        async with conn:
+    async def _check_database(self, pool: WorkerPool) -> None:
+        """Fail at once when the tables are missing; wait, with one line said, while the server
+        has no connection slot left (53300): a worker of a full fleet starts once one frees."""
+        delay, said = 0.5, False
+        while True:
             try:
-                await conn.execute(
-                    self.app.q.status_counts.replace(b"GROUP BY", b"WHERE false GROUP BY")
-                )
+                async with pool.connection() as conn:
+                    await conn.execute(
+                        self.app.q.status_counts.replace(b"GROUP BY", b"WHERE false GROUP BY")
+                    )
+                    break
             except psycopg.errors.UndefinedTable:
                 raise ConfigurationError(
                     f"pgqueue's tables are missing in schema {self.app.schema!r}: run "
                     "`pgqueue migrate` (or app.migrate()) first"
                 ) from None
+            except psycopg.OperationalError as exc:
+                if not too_many_connections(exc):
+                    raise db.unavailable(self.app.dsn, exc) from None
+                if not said:
+                    said = True
+                    log.warning(
+                        "PostgreSQL has no connection slot left (too many connections, 53300): "
+                        "waiting for one before starting"
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if said:
+            log.info("got a connection slot: starting")
 
-    async def _register(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+    async def _register(self, pool: WorkerPool) -> None:
         # Limits first: once a worker shows as registered, its tasks' limits are in force (a
         # job enqueued by name from then on gets its group from the database).
         await self._declare_limits(pool)
@@ -429,11 +454,10 @@ class Worker:
                     "lease": self.lease,
                 },
             )
+            await self.heartbeat.look_at_fleet(conn)
         self.heartbeat.extended(sent_at)
 
-    async def _declare_limits(
-        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
-    ) -> None:
+    async def _declare_limits(self, pool: WorkerPool) -> None:
         """Write the limits this app's tasks declare, and give the waiting jobs of a task
         limited for the first time their group (they were enqueued before the limit)."""
         declared = {name: t.limits for name, t in self.app.tasks.items() if t.limits is not None}
@@ -460,7 +484,7 @@ class Worker:
 
     async def _stamp_after(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: WorkerPool,
         horizon: str,
         tasks: dict[str, limits.TaskLimits | None],
     ) -> None:
@@ -482,12 +506,21 @@ class Worker:
         except Exception as exc:  # a lost connection: the next start of a worker stamps them
             log.warning("could not give late jobs their limit group: %s", exc)
 
-    async def _deregister(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+    async def _deregister(self, pool: WorkerPool) -> None:
         try:
             async with pool.connection() as conn:
                 await conn.execute(self.app.q.deregister_worker, {"worker_id": self.id})
         except (psycopg.Error, OSError) as exc:
             log.warning("could not deregister (%s); the row will be pruned", exc)
+
+    def _on_fleet(self, workers: int, max_connections: int, reserved: int) -> None:
+        """The heartbeat counted the live workers: the connection budget follows the fleet,
+        and so do the intervals of the fleet-wide chores (see ``spread``)."""
+        self.fleet = max(workers, 1)
+        self.pool.set_cap(share(max_connections, reserved, self.fleet))
+
+    def _fleet_size(self) -> int:
+        return self.fleet
 
     async def _close_health(self) -> None:
         self.liveness.stop()
@@ -560,9 +593,7 @@ class Worker:
             "%s; those jobs run again once their lease has run out", self.failure.capitalize()
         )
 
-    async def _release_unfinished(
-        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
-    ) -> None:
+    async def _release_unfinished(self, pool: WorkerPool) -> None:
         assert self.state is not None
         unfinished = sorted(
             (h for h in self.state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED)),

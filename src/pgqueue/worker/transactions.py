@@ -6,8 +6,10 @@ the lease was lost while the handler ran, the ack matches nothing and the whole 
 the handler's writes included, rolls back. A job's database effects therefore commit exactly
 once even when the job runs twice.
 
-Handler transactions use pools of their own (opened on first use, one connection per slot), so
-long handlers never starve the claims and acks on the worker's pool. A connection goes back to
+Handler transactions use pools of their own (opened on first use, up to ``tx_pool_size``
+connections each, the async and the sync handlers' pool; idle ones close after ``MAX_IDLE``), so
+long handlers never starve the claims and acks on the worker's connections. A handler that finds
+every connection taken waits for one (its timeout still applies). A connection goes back to
 its pool reset (``RESET_SESSION``): a setting, a temporary table, a LISTEN or an advisory lock
 one handler left on its session never reaches the next job that gets the connection.
 
@@ -32,6 +34,11 @@ from ..sql import Queries
 
 #: Given the handler's result, the parameters of its success ack (``complete_jobs``).
 AckParams = Callable[[Any], dict[str, Any]]
+
+#: Seconds an idle handler connection is kept.
+MAX_IDLE = 60.0
+#: A handler waits this long at most for a connection (its own timeout usually ends it first).
+WAIT = 24 * 3600.0
 
 #: What a handler may have left on its session, undone before the next job gets the connection
 #: (DISCARD ALL without DEALLOCATE ALL, which would drop psycopg's prepared statements).
@@ -85,6 +92,8 @@ class Transactions:
                 open=False,
                 kwargs=self.kwargs,
                 reset=_reset_async,
+                max_idle=MAX_IDLE,
+                timeout=WAIT,
             )
             await pool.open()
             self._async = pool
@@ -100,6 +109,8 @@ class Transactions:
                     open=True,
                     kwargs=self.kwargs,
                     reset=_reset_sync,
+                    max_idle=MAX_IDLE,
+                    timeout=WAIT,
                 )
             return self._sync
 
