@@ -47,7 +47,8 @@ T = TypeVar("T")
 SyncConn = psycopg.Connection[Any]
 AsyncConn = psycopg.AsyncConnection[Any]
 
-#: Connections at most per pool (the sync pool, and each event loop's).
+#: Connections at most per pool (the sync pool, and each event loop's), unless the app sets
+#: ``pool_size``.
 MAX_SIZE = 8
 #: Seconds an unused connection is kept; older ones are closed on the next use of their pool.
 MAX_IDLE = 600.0
@@ -186,9 +187,9 @@ class _Idle(Generic[C]):
 class Pool(_Idle[SyncConn]):
     """Sync producer connections, shared by threads."""
 
-    def __init__(self, dsn: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, dsn: str, kwargs: dict[str, Any], size: int = MAX_SIZE) -> None:
         super().__init__(dsn, kwargs)
-        self._slots = threading.BoundedSemaphore(MAX_SIZE)
+        self._slots = threading.BoundedSemaphore(size)
 
     def take(self) -> SyncConn:
         """A checked idle connection or a new one (DatabaseUnavailableError if it cannot be
@@ -233,12 +234,18 @@ class Pool(_Idle[SyncConn]):
 class AsyncPool(_Idle[AsyncConn]):
     """One event loop's producer connections."""
 
-    def __init__(self, dsn: str, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        size: int = MAX_SIZE,
+    ) -> None:
         super().__init__(dsn, kwargs)
         #: Held, not weakly referenced: while the pool exists its loop cannot be collected and
         #: its id() reused by a new loop.
         self.loop = loop
-        self._slots = asyncio.Semaphore(MAX_SIZE)
+        self._slots = asyncio.Semaphore(size)
         self._end_hook: AsyncIterator[None] | None = None
 
     async def watch_loop_end(self) -> None:
@@ -296,8 +303,11 @@ class LoopPools:
     """The async pools of one App, one per event loop that used it. ``settings`` gives the
     DSN and connection keywords (called when a pool is made, not on every statement)."""
 
-    def __init__(self, settings: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    def __init__(
+        self, settings: Callable[[], tuple[str, dict[str, Any]]], size: int = MAX_SIZE
+    ) -> None:
         self.settings = settings
+        self.size = size
         self._pools: dict[int, AsyncPool] = {}
         self._lock = threading.Lock()
 
@@ -313,7 +323,7 @@ class LoopPools:
             self._sweep()
             pool = self._pools.get(id(loop))
         if pool is None or pool.closed:
-            pool = AsyncPool(*self.settings(), loop)
+            pool = AsyncPool(*self.settings(), loop, self.size)
             # Registered before the first await, so a second task of this loop finds it.
             with self._lock:
                 self._pools[id(loop)] = pool

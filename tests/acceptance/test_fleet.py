@@ -125,7 +125,7 @@ def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses) -> None:
         lambda: scalar(conn, "SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'") == 600,
         timeout=180,
     )
-    ran_by = dict(
+    ran_by: dict[int, int] = dict(
         conn.execute(
             "SELECT (result #>> '{}')::int, count(*) FROM pgqueue_jobs GROUP BY 1"
         ).fetchall()
@@ -178,7 +178,9 @@ def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses) -> None:
     # heartbeat came in time; failed attempts are recorded in pgqueue_attempts).
     assert scalar(conn, "SELECT count(*) FROM pgqueue_jobs") == total
     assert scalar(conn, "SELECT count(*) FROM pgqueue_jobs WHERE attempts <> 1") == 0
-    outcomes = dict(conn.execute("SELECT outcome, count(*) FROM pgqueue_attempts GROUP BY 1"))
+    outcomes: dict[str, int] = dict(
+        conn.execute("SELECT outcome, count(*) FROM pgqueue_attempts GROUP BY 1")
+    )
     assert outcomes == {}, outcomes
     print(f"jobs: {total}; after the restart {WORKERS} workers again")
     assert "Traceback" not in procs.output()

@@ -162,8 +162,9 @@ async def test_a_refused_ack_is_isolated_and_recorded_as_a_failed_attempt(
 async def test_an_outcome_that_cannot_be_written_at_all_is_given_up_loudly(
     app: pgqueue.App, conn: Conn, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Not even a plain failure can be written by the worker's ack (the statement that sets lock_timeout): the attempt is
-    given up with an error in the log, its lease expired, and the reaper records it."""
+    """Not even a plain failure can be written by the worker's acks (the statements that set
+    lock_timeout): the attempt is given up with an error in the log, its lease expired, and the
+    reaper records it."""
     conn.execute(
         """CREATE FUNCTION refuse_acks() RETURNS trigger LANGUAGE plpgsql AS $$
            BEGIN

@@ -33,6 +33,8 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import PoolTimeout
 
+from ..pools import reusable
+
 log = logging.getLogger("pgqueue.worker.connections")
 
 AsyncConn = psycopg.AsyncConnection[Any]
@@ -165,7 +167,7 @@ class WorkerPool:
         self._expire_idle()
         while self._idle:
             conn = self._idle.pop()[1]
-            if not conn.closed and not conn.broken:
+            if reusable(conn):  # no round trip: a closed session has something to read
                 return conn
             self._discard(conn)
         if self._open == 0 or self._room():
