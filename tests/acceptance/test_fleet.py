@@ -62,6 +62,9 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         self.most = 0
         self.most_per_worker = 0
+        self.phase = "start"
+        #: The most client connections at once in each phase of the test.
+        self.by_phase: dict[str, int] = {}
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
@@ -70,7 +73,9 @@ class Sampler(threading.Thread):
                 " WHERE backend_type = 'client backend'"
                 " GROUP BY split_part(application_name, ':', 2)"
             ).fetchall()
-            self.most = max(self.most, sum(n for _, n in rows))
+            total = sum(n for _, n in rows)
+            self.most = max(self.most, total)
+            self.by_phase[self.phase] = max(self.by_phase.get(self.phase, 0), total)
             per_worker = [n for pid, n in rows if pid.isdigit()]
             self.most_per_worker = max([self.most_per_worker, *per_worker])
 
@@ -80,6 +85,7 @@ class Sampler(threading.Thread):
         self.conn.close()
 
 
+@pytest.mark.timeout(900)  # about a minute here; 50 processes on 2 shared cores can take long
 def test_fifty_workers_fit_default_max_connections_claim_fairly_and_survive_a_rolling_restart(
     default_cluster: EmbeddedPostgres, tmp_path: Path
 ) -> None:
@@ -93,10 +99,10 @@ def test_fifty_workers_fit_default_max_connections_claim_fairly_and_survive_a_ro
         app = pgqueue.App(dsn)
         procs = WorkerProcesses(dsn, APP, tmp_path)
         try:
-            run_fleet(app, conn, procs)
+            run_fleet(app, conn, procs, sampler)
             print(
                 f"most client connections at once: {sampler.most} (at most {sampler.most_per_worker}"
-                " per worker)"
+                f" per worker); by phase: {sampler.by_phase}"
             )
         finally:
             sampler.close()
@@ -105,7 +111,7 @@ def test_fifty_workers_fit_default_max_connections_claim_fairly_and_survive_a_ro
             print(procs.output())
 
 
-def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses) -> None:
+def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses, sampler: Sampler) -> None:
     first = [procs.start(*WORKER_ARGS) for _ in range(WORKERS)]
     # All start: registered, none exited (a worker refused a connection waits for one).
     wait_until(
@@ -120,6 +126,7 @@ def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses) -> None:
 
     # Fair claims: 600 jobs of 0.5 s need at least 3 s of the whole fleet (100 slots), and a
     # worker claims at least every poll (0.5 s), so none can be left out while jobs wait.
+    sampler.phase = "settled"
     enqueue(app, conn, 600, 0.5)
     wait_until(
         lambda: scalar(conn, "SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'") == 600,
@@ -140,10 +147,11 @@ def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses) -> None:
 
     def feed() -> None:
         with psycopg.connect(conn.info.dsn, autocommit=True) as feeder:
-            while not stop_feeding.wait(0.2):
+            while not stop_feeding.wait(0.2) and fed[0] < 1000:
                 enqueue(app, feeder, 10, 0.2)
                 fed[0] += 10
 
+    sampler.phase = "rolling restart"
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     codes: list[int | None] = []

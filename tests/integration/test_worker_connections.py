@@ -15,7 +15,7 @@ import pytest
 from psycopg import conninfo, sql
 
 import pgqueue
-from pgqueue.worker.connections import share
+from pgqueue.worker.connections import budget, share
 from tests.helpers import running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -148,6 +148,15 @@ def test_the_fleet_takes_its_share_of_the_server_and_each_worker_at_least_one() 
     assert share(100, 3, 50) == 1
     assert share(100, 3, 500) == 1
     assert all(share(100, 3, n) * n <= 77 for n in range(1, 78))
+
+
+def test_a_worker_grows_no_further_while_the_server_is_nearly_full() -> None:
+    # Five workers counted so far (a fleet still starting): a share of 15, unless the server's
+    # client connections already fill 80 % of its 97 slots.
+    assert budget(100, 3, 5, in_use=40, held=2) == 15
+    assert budget(100, 3, 5, in_use=78, held=2) == 2
+    assert budget(100, 3, 5, in_use=90, held=1) == 1
+    assert budget(100, 3, 50, in_use=20, held=3) == 1  # the share still rules
 
 
 async def test_handlers_that_enqueue_use_at_most_the_apps_pool_size(dsn: str, conn: Conn) -> None:

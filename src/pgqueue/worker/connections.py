@@ -11,7 +11,8 @@ The pool connects in the caller when a lane finds no idle connection and the bud
 more, and closes connections beyond the first once they sit idle for ``MAX_IDLE``. The budget
 (``cap``) is the user's ``connections`` lowered to the worker's share of the server when a fleet
 would not fit (``share``, from ``max_connections`` and the live workers, refreshed with the
-heartbeat): so 50 workers start and run under PostgreSQL's default of 100.
+heartbeat), and held where it is while the server is nearly full (``budget``): so 50 workers
+start and run under PostgreSQL's default of 100, and leave room for the other clients.
 
 A connection that cannot be opened (``too_many_connections``, 53300, or any other failure) never
 stops a worker that holds one: the lane waits for a connection another lane gives back, growth
@@ -81,6 +82,17 @@ def share(max_connections: int, reserved: int, workers: int) -> int:
     FLEET_FRACTION of the non-superuser slots (at least one: a worker needs one to work)."""
     usable = max(max_connections - reserved, 1) * FLEET_FRACTION
     return max(int(usable // max(workers, 1)), 1)
+
+
+def budget(max_connections: int, reserved: int, workers: int, in_use: int, held: int) -> int:
+    """A worker's budget: its ``share``, and no more than it ``held`` while the server's client
+    connections (``in_use``) fill FLEET_FRACTION of the slots. Workers that start together each
+    count a fleet still registering; the second rule keeps their extras from filling the
+    server before the next count corrects their share."""
+    cap = share(max_connections, reserved, workers)
+    if in_use >= max(max_connections - reserved, 1) * FLEET_FRACTION:
+        cap = min(cap, max(held, 1))
+    return cap
 
 
 class WorkerPool:

@@ -65,7 +65,7 @@ class Heartbeat:
         on_lost: Callable[[Held], None],
         on_cancel: Callable[[Held], None] = lambda held: None,
         on_beat: Callable[[], None] = lambda: None,
-        on_fleet: Callable[[int, int, int], None] = lambda workers, slots, reserved: None,
+        on_fleet: Callable[[int, int, int, int], None] = lambda *fleet: None,
     ) -> None:
         self.pool = pool
         self.q = q
@@ -78,7 +78,8 @@ class Heartbeat:
         self.on_cancel = on_cancel
         #: Called whenever the database extended the lease (the worker's liveness; see health).
         self.on_beat = on_beat
-        #: Called with the live workers, max_connections and the slots reserved for superusers.
+        #: Called with the live workers, max_connections, the slots reserved for superusers and
+        #: the client connections open now.
         self.on_fleet = on_fleet
         self._timer: asyncio.TimerHandle | None = None
         #: Jobs abandoned when the lease ran out, to expire once the database is back.
@@ -156,7 +157,7 @@ class Heartbeat:
         cur = await conn.execute(self.q.worker_fleet)
         row = await cur.fetchone()
         if row is not None:
-            self.on_fleet(int(row[0]), int(row[1]), int(row[2]))
+            self.on_fleet(int(row[0]), int(row[1]), int(row[2]), int(row[3]))
 
     async def _beat(
         self,

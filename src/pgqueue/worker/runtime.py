@@ -27,7 +27,7 @@ from ..errors import ConfigurationError, InvalidJobError, PgQueueError
 from ..jobs import MAX_DELAY_SECONDS
 from ..logcontext import job_fields
 from .completer import Completer
-from .connections import DEFAULT_CONNECTIONS, WorkerPool, share, too_many_connections
+from .connections import DEFAULT_CONNECTIONS, WorkerPool, budget, too_many_connections
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .health import HealthServer, Liveness
@@ -513,11 +513,11 @@ class Worker:
         except (psycopg.Error, OSError) as exc:
             log.warning("could not deregister (%s); the row will be pruned", exc)
 
-    def _on_fleet(self, workers: int, max_connections: int, reserved: int) -> None:
+    def _on_fleet(self, workers: int, max_connections: int, reserved: int, in_use: int) -> None:
         """The heartbeat counted the live workers: the connection budget follows the fleet,
         and so do the intervals of the fleet-wide chores (see ``spread``)."""
         self.fleet = max(workers, 1)
-        self.pool.set_cap(share(max_connections, reserved, self.fleet))
+        self.pool.set_cap(budget(max_connections, reserved, self.fleet, in_use, self.pool.held))
 
     def _fleet_size(self) -> int:
         return self.fleet
