@@ -105,6 +105,9 @@ class WorkerPool:
         #: The budget now: ``size`` or the fleet share below it.
         self.cap = size
         self.listening = False
+        #: The worker LISTENs (``listen=True``): with a budget of 2 or more, one of it is kept
+        #: for the LISTEN connection, which comes before a lane's second connection.
+        self.listen_wanted = True
         self._idle: list[tuple[float, AsyncConn]] = []  # most recently used last
         self._open = 0  # held by lanes, idle, or being opened
         self._waiters: deque[asyncio.Future[AsyncConn | None]] = deque()
@@ -121,9 +124,12 @@ class WorkerPool:
         return self._open + int(self.listening)
 
     def _room(self) -> bool:
-        return (
-            self.held < self.cap and time.monotonic() >= self._no_growth_until and not self.closed
-        )
+        """Whether a lane may open one more connection."""
+        kept = int(self.listen_wanted and self.cap >= 2)
+        return self._open + kept < self.cap and self._may_grow()
+
+    def _may_grow(self) -> bool:
+        return time.monotonic() >= self._no_growth_until and not self.closed
 
     def set_cap(self, cap: int) -> None:
         """Lower (or raise) the budget; idle connections above it close now, busy ones when
@@ -140,7 +146,7 @@ class WorkerPool:
     def reserve_listen(self) -> bool:
         """Count a LISTEN connection against the budget, if it has room for one beside a
         lane's connection (a worker's only connection serves the lanes, never LISTEN)."""
-        if self.listening or self.cap < 2 or not self._room():
+        if self.listening or self.cap < 2 or self._open >= self.cap or not self._may_grow():
             return False
         self.listening = True
         self.peak = max(self.peak, self.held)

@@ -250,6 +250,7 @@ class Worker:
 
         # Every connection of the worker's own work, under one budget (see connections.py).
         self.pool = pool = WorkerPool(dsn, connect_kwargs("pool"), size=self.connections)
+        pool.listen_wanted = self.listen
         try:
             await self._check_database(pool)
         except BaseException:
