@@ -1,8 +1,11 @@
 """Recovers jobs whose lease expired, and keeps the tables small.
 
-Every worker runs one; there is no leader. Rounds are spaced by the fleet's size (``spread``):
-each worker reaps about every ``interval`` times the live workers, jittered, so the fleet reaps
-about once per ``interval`` (on average) and 50 workers cost the database what one does. The
+Every worker runs one; there is no leader. Each worker reaps every ``interval``, whatever the
+fleet's size: that is what bounds recovery (a crashed worker's jobs are claimable again within
+``lease + reaper_interval``, docs/guarantees.md), and a round that finds nothing expired costs one
+scan of the running jobs' partial index. Pruning, which no guarantee times, is the fleet's: each
+worker prunes about every minute times the live workers, jittered (``spread``), so the fleet
+prunes about once a minute whatever its size. The
 reaping statement locks what it takes and
 re-checks the expired lease on the newest row version (see ``reap_expired_leases``), so two
 reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from ..backoff import Backoff
@@ -41,8 +45,9 @@ class Reaper:
         wake: Callable[[list[str]], None] = lambda queues: None,
         fleet: Callable[[], int] = lambda: 1,
     ) -> None:
-        #: The live workers (the heartbeat counts them): rounds are spaced by it.
+        #: The live workers (the heartbeat counts them): prunes are spaced by it.
         self.fleet = fleet
+        self._prune_at = 0.0  # monotonic: the first round prunes
         self.pool = pool
         self.q = q
         self.state = state
@@ -94,18 +99,21 @@ class Reaper:
                 break
         return pruned
 
-    def prune_every(self) -> int:
-        """Reaper rounds between prunes: once a minute, or twice per retention if shorter."""
+    def prune_every(self) -> float:
+        """Seconds between the fleet's prunes: once a minute, or twice per retention if
+        shorter (never below the reaper's interval)."""
         seconds = 60.0 if self.retention is None else min(60.0, self.retention / 2)
-        return max(int(seconds / self.interval), 1)
+        return max(seconds, self.interval)
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             try:
                 await self.reap()
-                if self.rounds % self.prune_every() == 0:
+                now = time.monotonic()
+                if now >= self._prune_at:
+                    self._prune_at = now + spread(self.prune_every(), self.fleet())
                     await self.prune()
             except Exception as exc:
                 round_failed(log, "reaper round", exc)
             self.rounds += 1
-            await pause(stopping, spread(self.interval, self.fleet()))
+            await pause(stopping, self.interval)
