@@ -115,6 +115,7 @@ class App:
         coalesce_window: float = coalescing.DEFAULT_WINDOW,
         coalesce_max: int = coalescing.DEFAULT_MAX,
         reconnect_timeout: float = pools.RETRY_FOR,
+        pool_size: int = pools.MAX_SIZE,
     ) -> None:
         """``reconnect_timeout``: seconds a producer call (enqueue, cancel, ...) keeps retrying,
         with backoff, while PostgreSQL cannot take it and nothing of it was written: the server
@@ -125,7 +126,9 @@ class App:
         caller's transaction share one INSERT and one commit, for more jobs/s under load; a
         call waits for the batch being written (``coalesce_window`` seconds at most before
         another starts) and a batch holds ``coalesce_max`` jobs at most. Off by default; see
-        docs/concepts/coalescing.md for what it changes."""
+        docs/concepts/coalescing.md for what it changes. ``pool_size``: producer connections at
+        most for sync callers, and for each event loop's async callers (a worker's handlers
+        that enqueue use these: see docs/fleet.md)."""
         self._dsn = dsn
         #: Wraps every attempt, outermost first (``@app.middleware``; see pgqueue.hooks).
         self.middleware_stack: list[hooks.Middleware] = [
@@ -165,7 +168,10 @@ class App:
         self.q: Queries = queries(self.schema)
         self._pool: pools.Pool | None = None
         self._pool_lock = threading.Lock()
-        self._loop_pools = pools.LoopPools(self._connection_settings)
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ConfigurationError("pool_size must be a positive integer")
+        self.pool_size = pool_size
+        self._loop_pools = pools.LoopPools(self._connection_settings, pool_size)
         settings = coalescing.Settings.of(coalesce_window, coalesce_max)
         if not isinstance(coalesce, bool):
             raise ConfigurationError(f"coalesce must be True or False, got {coalesce!r}")
@@ -385,7 +391,7 @@ class App:
         if pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    self._pool = pools.Pool(*self._connection_settings())
+                    self._pool = pools.Pool(*self._connection_settings(), self.pool_size)
                 pool = self._pool
         return pool
 

@@ -776,6 +776,21 @@ def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
     default=None,
     help="Touch this file on every heartbeat (removed at stop), for an exec probe.",
 )
+@click.option(
+    "--connections",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Most connections the worker holds for claims, acks, maintenance and LISTEN (fewer "
+    "when a fleet would not fit max_connections; 1: one does it all, and the worker polls).",
+)
+@click.option(
+    "--tx-pool-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Connections for transactional-completion handlers, opened as they run "
+    "(default: the concurrency).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 @db_options
 @friendly_errors
@@ -797,6 +812,8 @@ def worker(
     health_port: int | None,
     health_host: str,
     health_file: str | None,
+    connections: int,
+    tx_pool_size: int | None,
     log_level: str,
     dsn: str | None,
     schema: str,
@@ -825,6 +842,8 @@ def worker(
         health_port=health_port,
         health_host=health_host,
         health_file=health_file,
+        connections=connections,
+        tx_pool_size=tx_pool_size,
     )
 
 

@@ -52,7 +52,12 @@ def free_port() -> int:
 class EmbeddedPostgres:
     """Start with ``start()``, stop and delete everything with ``stop()``."""
 
-    def __init__(self, bindir: Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        bindir: Path | None = None,
+        port: int | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         found = bindir or find_bindir()
         if found is None:
             raise ConfigurationError(
@@ -62,6 +67,8 @@ class EmbeddedPostgres:
             )
         self.bindir = found
         self.port = port or free_port()
+        #: Server settings over the defaults below (e.g. ``{"max_connections": "100"}``).
+        self.settings = dict(settings or {})
         self.user = "postgres"
         self._run_as: Callable[[], None] | None = None
         pw = None
@@ -126,6 +133,8 @@ class EmbeddedPostgres:
             "-c max_connections=300 -c shared_buffers=128MB -c fsync=on "
             "-c log_min_messages=warning"
         )
+        for name, value in self.settings.items():  # a later -c wins
+            options += f" -c {name}={value}"
         self._run(
             "pg_ctl",
             "-D",

@@ -57,7 +57,8 @@ T = TypeVar("T")
 SyncConn = psycopg.Connection[Any]
 AsyncConn = psycopg.AsyncConnection[Any]
 
-#: Connections at most per pool (the sync pool, and each event loop's).
+#: Connections at most per pool (the sync pool, and each event loop's), unless the app sets
+#: ``pool_size``.
 MAX_SIZE = 8
 #: Seconds an unused connection is kept; older ones are closed on the next use of their pool.
 MAX_IDLE = 600.0
@@ -283,9 +284,11 @@ class _Idle(Generic[C]):
 class Pool(_Idle[SyncConn]):
     """Sync producer connections, shared by threads."""
 
-    def __init__(self, dsn: str, kwargs: dict[str, Any], retry_for: float = 0.0) -> None:
+    def __init__(
+        self, dsn: str, kwargs: dict[str, Any], retry_for: float = 0.0, size: int = MAX_SIZE
+    ) -> None:
         super().__init__(dsn, kwargs, retry_for)
-        self._slots = threading.BoundedSemaphore(MAX_SIZE)
+        self._slots = threading.BoundedSemaphore(size)
 
     def take(self) -> SyncConn:
         """A checked idle connection or a new one, retried while the server is unavailable
@@ -370,14 +373,18 @@ class AsyncPool(_Idle[AsyncConn]):
     """One event loop's producer connections."""
 
     def __init__(
-        self, dsn: str, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop,
+        self,
+        dsn: str,
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
         retry_for: float = 0.0,
-    ) -> None:  # fmt: skip
+        size: int = MAX_SIZE,
+    ) -> None:
         super().__init__(dsn, kwargs, retry_for)
         #: Held, not weakly referenced: while the pool exists its loop cannot be collected and
         #: its id() reused by a new loop.
         self.loop = loop
-        self._slots = asyncio.Semaphore(MAX_SIZE)
+        self._slots = asyncio.Semaphore(size)
         self._end_hook: AsyncIterator[None] | None = None
 
     async def watch_loop_end(self) -> None:
@@ -469,8 +476,11 @@ class LoopPools:
     """The async pools of one App, one per event loop that used it. ``settings`` gives the
     DSN and connection keywords (called when a pool is made, not on every statement)."""
 
-    def __init__(self, settings: Callable[[], tuple[str, dict[str, Any], float]]) -> None:
+    def __init__(
+        self, settings: Callable[[], tuple[str, dict[str, Any], float]], size: int = MAX_SIZE
+    ) -> None:
         self.settings = settings
+        self.size = size
         self._pools: dict[int, AsyncPool] = {}
         self._lock = threading.Lock()
 
@@ -487,7 +497,7 @@ class LoopPools:
             pool = self._pools.get(id(loop))
         if pool is None or pool.closed:
             dsn, kwargs, retry_for = self.settings()
-            pool = AsyncPool(dsn, kwargs, loop, retry_for)
+            pool = AsyncPool(dsn, kwargs, loop, retry_for, self.size)
             # Registered before the first await, so a second task of this loop finds it.
             with self._lock:
                 self._pools[id(loop)] = pool

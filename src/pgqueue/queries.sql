@@ -1141,6 +1141,19 @@ VALUES (%(worker_id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s,
 ON CONFLICT (id) DO UPDATE
 SET last_heartbeat_at = now(), lease_expires_at = EXCLUDED.lease_expires_at
 
+-- name: worker_fleet
+-- The live workers (a few rows: pgqueue_workers holds one per worker), the connection slots
+-- PostgreSQL leaves non-superusers, and the client connections open now (pg_stat_activity reads
+-- shared memory, one entry per slot): every worker takes its share of the slots and grows no
+-- further while the server is nearly full (worker/connections.py), and spaces the fleet-wide
+-- chores by the count (reaper, scheduler, depth samples). reserved_connections exists from
+-- PostgreSQL 16 (missing_ok: NULL before).
+SELECT (SELECT count(*) FROM {schema}.pgqueue_workers WHERE lease_expires_at >= now())::int,
+       current_setting('max_connections')::int,
+       current_setting('superuser_reserved_connections')::int
+         + COALESCE(current_setting('reserved_connections', true)::int, 0),
+       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')::int
+
 -- name: deregister_worker
 -- The worker's lease ends with its row: a job it could not release is any reaper's at once.
 DELETE FROM {schema}.pgqueue_workers WHERE id = %(worker_id)s

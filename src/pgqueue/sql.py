@@ -176,6 +176,7 @@ class Queries:
     untracked_jobs: bytes
     register_worker: bytes
     deregister_worker: bytes
+    worker_fleet: bytes
     reap_expired_leases: bytes
     expire_leases: bytes
     wake_waiting_workers: bytes

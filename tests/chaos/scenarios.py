@@ -150,7 +150,7 @@ def sigterm_checks(run: Run, result: Result) -> Checks:
 
 
 def terminate(run: Run) -> None:
-    kinds = ["pool", "heartbeat", "listen", "handler"]
+    kinds = ["pool", "listen", "handler"]
 
     def step() -> None:
         for _ in range(3):

@@ -162,12 +162,13 @@ async def test_a_refused_ack_is_isolated_and_recorded_as_a_failed_attempt(
 async def test_an_outcome_that_cannot_be_written_at_all_is_given_up_loudly(
     app: pgqueue.App, conn: Conn, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Not even a plain failure can be written from the worker's ack connection: the attempt is
-    given up with an error in the log, its lease expired, and the reaper records it."""
+    """Not even a plain failure can be written by the worker's acks (the statements that set
+    lock_timeout): the attempt is given up with an error in the log, its lease expired, and the
+    reaper records it."""
     conn.execute(
         """CREATE FUNCTION refuse_acks() RETURNS trigger LANGUAGE plpgsql AS $$
            BEGIN
-             IF current_setting('application_name') LIKE '%:acks' AND NEW.id = (
+             IF current_setting('lock_timeout') <> '0' AND NEW.id = (
                  SELECT min(id) FROM pgqueue_jobs) THEN
                RAISE EXCEPTION 'no acks for this one';
              END IF;

@@ -31,10 +31,11 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pgerrors
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from ..sql import Queries
 from . import arrays
+from .connections import Connections
 from .executor import Outcome, ack_params
 from .outage import Outage
 from .state import round_failed
@@ -74,7 +75,7 @@ def transient(exc: BaseException, conn: psycopg.AsyncConnection[Any] | None) -> 
 class Completer:
     def __init__(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: Connections,
         q: Queries,
         on_written: Callable[[list[Outcome], set[int]], None],
         *,

@@ -45,10 +45,10 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from ..limits import group_name
 from ..sql import Queries
+from .connections import Connections
 from .state import ClaimedJob, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.fetcher")
@@ -89,7 +89,7 @@ _decode = JSONDecoder().raw_decode
 class Fetcher:
     def __init__(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: Connections,
         q: Queries,
         state: WorkerState,
         *,

@@ -1,5 +1,8 @@
-"""Keeps the worker's lease alive: one statement per interval, on its own connection (so a busy
-pool never delays it), whatever the worker holds.
+"""Keeps the worker's lease alive: one statement per interval, whatever the worker holds, on the
+maintenance lane of the worker's connections (where it waits at most for one short statement of
+the reaper, the scheduler or the statistics; never behind a claim or an ack). Each beat also
+counts the live workers, from which the worker's connection budget and the spacing of the
+fleet-wide chores follow (``connections.share``, ``state.spread``).
 
 One lease covers every job the worker holds (``pgqueue_workers.lease_expires_at``, migration
 0005): the heartbeat writes that one row and only reads job rows, so it never waits on a job's
@@ -40,6 +43,7 @@ import psycopg
 
 from ..logcontext import job_fields
 from ..sql import Queries
+from .connections import Connections
 from .state import Held, Key, Phase, WorkerState, key_of, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.heartbeat")
@@ -54,7 +58,7 @@ UNTRACKED_EVERY = 60.0
 class Heartbeat:
     def __init__(
         self,
-        dsn: str,
+        pool: Connections,
         q: Queries,
         state: WorkerState,
         *,
@@ -65,9 +69,9 @@ class Heartbeat:
         on_lost: Callable[[Held], None],
         on_cancel: Callable[[Held], None] = lambda held: None,
         on_beat: Callable[[], None] = lambda: None,
-        connect_kwargs: dict[str, Any],
+        on_fleet: Callable[[int, int, int, int], None] = lambda *fleet: None,
     ) -> None:
-        self.dsn = dsn
+        self.pool = pool
         self.q = q
         self.state = state
         self.worker_id = worker_id
@@ -78,9 +82,9 @@ class Heartbeat:
         self.on_cancel = on_cancel
         #: Called whenever the database extended the lease (the worker's liveness; see health).
         self.on_beat = on_beat
-        self.connect_kwargs = connect_kwargs
-        self.conn: psycopg.AsyncConnection[Any] | None = None
-        self._connecting = asyncio.Lock()
+        #: Called with the live workers, max_connections, the slots reserved for superusers and
+        #: the client connections open now.
+        self.on_fleet = on_fleet
         self._timer: asyncio.TimerHandle | None = None
         #: Jobs abandoned when the lease ran out, to expire once the database is back.
         self._abandoned: set[Key] = set()
@@ -91,14 +95,6 @@ class Heartbeat:
         #: an outage: see the module docstring).
         self._look_soon = 0
         self.beats = 0
-
-    async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        # Two beats at once (the service's and one forced, as tests do) must not both connect:
-        # the connection the first stored would be dropped unclosed.
-        async with self._connecting:
-            if self.conn is None or self.conn.closed or self.conn.broken:
-                self.conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
-            return self.conn
 
     def extended(self, sent_at: float) -> None:
         """The database extended the lease by a statement sent at ``sent_at`` (monotonic):
@@ -161,7 +157,24 @@ class Heartbeat:
             "ids": [h.job.id for h in held],
             "tokens": [h.job.lease_token for h in held],
         }
-        conn = await self._connection()
+        async with self.pool.connection() as conn:
+            await self._beat(conn, held, sent_at, stale, params)
+
+    async def look_at_fleet(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        cur = await conn.execute(self.q.worker_fleet)
+        row = await cur.fetchone()
+        if row is not None:
+            self.on_fleet(int(row[0]), int(row[1]), int(row[2]), int(row[3]))
+
+    async def _beat(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        held: list[Held],
+        sent_at: float,
+        stale: int,
+        params: dict[str, Any],
+    ) -> None:
+        state = self.state
         cur = await conn.execute(self.q.extend_leases, params)
         lost = await cur.fetchall()
         state.counters.stale_unreported -= stale
@@ -188,6 +201,7 @@ class Heartbeat:
             after_outage = self._look_soon > 0
             self._look_soon = max(self._look_soon - 1, 0)
             await self._look_for_untracked(conn, held, after_outage)
+        await self.look_at_fleet(conn)
 
     async def _look_for_untracked(
         self, conn: psycopg.AsyncConnection[Any], held: list[Held], after_outage: bool = False
@@ -244,14 +258,9 @@ class Heartbeat:
             except Exception as exc:
                 round_failed(log, "heartbeat", exc, self.state.outage)
                 self._look_soon = 2
-                if self.conn is not None:
-                    await self.conn.close()
-                    self.conn = None
             await pause(stopping, self.interval)
 
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.conn is not None:
-            await self.conn.close()

@@ -9,6 +9,11 @@ waiting (``set_waiting``); this service holds the "waiting" advisory lock on its
 meanwhile. A producer that looked before the lock was taken may have skipped its NOTIFY, so after
 announcing itself the worker keeps waking the fetcher, at a growing interval, until no such
 producer's transaction is open.
+
+The LISTEN connection counts against the worker's connection budget (``budget``, see
+``connections``): when the budget leaves no room for it (a fleet bigger than the server's
+``max_connections`` allows, or the server refused the connection with 53300), the worker polls,
+says so in one line, and tries again every ``BUDGET_RECHECK`` seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import psycopg
 from psycopg import sql
 
 from ..sql import Queries
+from .connections import WorkerPool, too_many_connections
 from .outage import Outage
 from .state import pause, round_failed
 
@@ -34,6 +40,8 @@ log = logging.getLogger("pgqueue.worker.notifier")
 CANCEL_PREFIX = "cancel,"
 SETTLE_RECHECK = 0.005
 SETTLE_RECHECK_MAX = 1.0
+#: Seconds between looks at whether the budget has room for LISTEN again.
+BUDGET_RECHECK = 5.0
 
 
 class Notifier:
@@ -49,7 +57,10 @@ class Notifier:
         poll_interval: float,
         on_cancel: Callable[[str], None] = lambda job_id: None,
         outage: Outage | None = None,
+        budget: WorkerPool | None = None,
     ) -> None:
+        self.budget = budget
+        self._polling_said = False
         self.dsn = dsn
         self.outage = outage or Outage()
         self.on_cancel = on_cancel
@@ -81,6 +92,11 @@ class Notifier:
         delay = 0.1
         while not stopping.is_set():
             self._established = False
+            if self.budget is not None and not self.budget.reserve_listen():
+                self._say_polling(f"the connection budget ({self.budget.cap}) has no room for it")
+                await pause(stopping, BUDGET_RECHECK)
+                continue
+            refused: Exception | None = None
             try:
                 await self._listen(stopping)
                 delay = 0.1
@@ -88,14 +104,30 @@ class Notifier:
                 if self._established:  # it had been listening: a new outage starts over
                     delay = 0.1
                 self.listening.clear()
-                round_failed(log, "LISTEN (polling until it is back)", exc, self.outage)
+                if too_many_connections(exc):
+                    refused = exc
+                    self._say_polling("PostgreSQL has no connection slot left (53300)")
+                else:
+                    round_failed(log, "LISTEN (polling until it is back)", exc, self.outage)
+            finally:
+                if self.budget is not None:
+                    self.budget.release_listen(refused)
             if stopping.is_set():
                 break
             # Jobs inserted while we were away are found by the fetcher's next claim.
             self.wake()
-            await pause(stopping, delay)
+            await pause(stopping, BUDGET_RECHECK if refused is not None else delay)
             delay = min(delay * 2, 5.0)
             self.reconnects += 1
+
+    def _say_polling(self, why: str) -> None:
+        """One line when the worker goes from LISTEN to polling (not one per retry)."""
+        if not self._polling_said:
+            self._polling_said = True
+            log.info(
+                "no LISTEN connection: %s; polling every %g s, trying again every %g s",
+                why, self.poll_interval, BUDGET_RECHECK,
+            )  # fmt: skip
 
     async def _listen(self, stopping: asyncio.Event) -> None:
         conn = await psycopg.AsyncConnection.connect(self.dsn, **self.connect_kwargs)
@@ -108,9 +140,15 @@ class Notifier:
             self.listening.set()
             self._established = True
             self.outage.ok()
+            if self._polling_said:
+                self._polling_said = False
+                log.info("LISTEN connection open again")
             self.wake()  # anything inserted before LISTEN took effect
             try:
                 while not stopping.is_set():
+                    if self.budget is not None and not self.budget.keep_listening():
+                        self._say_polling(f"the connection budget is now {self.budget.cap}")
+                        return  # closed here; run() tries again when the budget has room
                     self._changed.clear()
                     if self.waiting != self.announced:
                         settle_delay = await self._announce(conn)

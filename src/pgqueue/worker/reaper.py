@@ -1,11 +1,16 @@
 """Recovers jobs whose lease expired, and keeps the tables small.
 
 Finished jobs past their retention leave ``pgqueue_jobs`` in batches of ``batch`` rows, each
-its own short statement, for at most ``PRUNE_BUDGET`` seconds per round: deleted, or moved to
+its own short statement, for at most ``PRUNE_BUDGET`` seconds per prune: deleted, or moved to
 ``pgqueue_jobs_archive`` with ``archive``. Succeeded and cancelled jobs follow ``retention``,
 dead ones ``dead_retention`` (None: kept until requeued or deleted).
 
-Every worker runs one; there is no leader. The reaping statement locks what it takes and
+Every worker runs one; there is no leader. Each worker reaps every ``interval``, whatever the
+fleet's size: that is what bounds recovery (a crashed worker's jobs are claimable again within
+``lease + reaper_interval``, docs/guarantees.md), and a round that finds nothing expired costs one
+scan of the running jobs' partial index. Pruning, which no guarantee times, is the fleet's: each
+worker prunes about every minute times the live workers, jittered (``spread``), so the fleet
+prunes about once a minute whatever its size. The reaping statement locks what it takes and
 re-checks the expired lease on the newest row version (see ``reap_expired_leases``), so two
 reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
 claimed again; it skips rows locked right now instead of waiting for them, so one stuck row
@@ -16,15 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
-from psycopg_pool import AsyncConnectionPool
-
 from ..backoff import Backoff
 from ..sql import Queries
-from .state import WorkerState, pause, round_failed
+from .connections import Connections
+from .state import WorkerState, pause, round_failed, spread
 
 log = logging.getLogger("pgqueue.worker.reaper")
 
@@ -35,7 +39,7 @@ PRUNE_BUDGET = 10.0  # seconds of batches per prune; the rest waits for the next
 class Reaper:
     def __init__(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: Connections,
         q: Queries,
         state: WorkerState,
         *,
@@ -48,7 +52,11 @@ class Reaper:
         archive_retention: float | None = None,
         batch: int = PRUNE_BATCH,
         wake: Callable[[list[str]], None] = lambda queues: None,
+        fleet: Callable[[], int] = lambda: 1,
     ) -> None:
+        #: The live workers (the heartbeat counts them): prunes are spaced by it.
+        self.fleet = fleet
+        self._prune_at = 0.0  # monotonic: the first round prunes
         self.pool = pool
         self.q = q
         self.state = state
@@ -89,9 +97,10 @@ class Reaper:
 
     async def prune(self) -> int:
         """Remove (or archive) finished jobs past their retention in batches until none are left
-        or the round's time budget is spent; returns how many went. Each batch is a statement
+        or the prune's time budget is spent; returns how many went. Each batch is a statement
         of its own in autocommit, so no transaction outlives one batch and no lock is held
-        between batches."""
+        between batches; each takes the connection anew, so the heartbeat, which shares this
+        lane, waits for one batch at most."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PRUNE_BUDGET
         q = self.q
@@ -123,28 +132,32 @@ class Reaper:
                         "with_dead": self.dead_retention is not None,
                     },
                 )
-            for statement, older_than, extra in passes:
-                if older_than is None:
-                    continue
-                params = {"older_than": older_than, "batch": self.batch, **extra}
-                while True:
+        for statement, older_than, extra in passes:
+            if older_than is None:
+                continue
+            params = {"older_than": older_than, "batch": self.batch, **extra}
+            while True:
+                async with self.pool.connection() as conn:
                     cur = await conn.execute(statement, params)
-                    pruned += cur.rowcount
-                    if cur.rowcount < self.batch or loop.time() >= deadline:
-                        break
+                pruned += cur.rowcount
+                if cur.rowcount < self.batch or loop.time() >= deadline:
+                    break
         return pruned
 
-    def prune_every(self) -> int:
-        """Reaper rounds between prunes: once a minute, or twice per retention if shorter."""
+    def prune_every(self) -> float:
+        """Seconds between the fleet's prunes: once a minute, or twice per retention if
+        shorter (never below the reaper's interval)."""
         kept = [r for r in (self.retention, self.dead_retention) if r is not None]
         seconds = min([60.0, *(r / 2 for r in kept)])
-        return max(int(seconds / self.interval), 1)
+        return max(seconds, self.interval)
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             try:
                 await self.reap()
-                if self.rounds % self.prune_every() == 0:
+                now = time.monotonic()
+                if now >= self._prune_at:
+                    self._prune_at = now + spread(self.prune_every(), self.fleet())
                     await self.prune()
                 self.state.outage.ok()
             except Exception as exc:

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from .. import db, limits, producer, stats
 from ..errors import ConfigurationError, InvalidJobError, PgQueueError
@@ -29,6 +28,7 @@ from ..jobs import MAX_DELAY_SECONDS
 from ..logcontext import job_fields
 from ..sql import Queries
 from .completer import Completer
+from .connections import DEFAULT_CONNECTIONS, WorkerPool, budget, too_many_connections
 from .executor import Executor, Outcome
 from .fetcher import Fetcher
 from .health import HealthServer, Liveness
@@ -69,11 +69,6 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 _STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
 #: Job ids per NOTIFY of finished jobs (a payload stays well under PostgreSQL's 8,000 bytes).
 ANNOUNCE_CHUNK = 400
-#: Seconds psycopg_pool keeps retrying one lost connection before it gives up on it (the next
-#: request for a connection starts a new attempt at once). Its backoff doubles from 1 s without
-#: a cap: with its default (300 s) a pool could wait 16 s or more to try again after a 10 s
-#: failover, while a short budget keeps attempts about a second apart.
-POOL_RECONNECT_TIMEOUT = 2.0
 
 #: The default prefetch's floor. The buffer is the last 50 ms of completions at most, so this
 #: only matters for short jobs: with the concurrency as the only cap, no-op jobs drained at
@@ -104,6 +99,14 @@ class Worker:
     - ``archive``: move finished jobs past their retention to ``pgqueue_jobs_archive`` instead
       of deleting them (default False), where they stay ``archive_retention`` seconds (default
       None: until dropped by hand), in daily partitions dropped whole;
+    - ``connections``: the most connections the worker holds for its own work (default 4: one
+      each for claims, acks and maintenance, and one for LISTEN; at least 1, which then does
+      everything and the worker polls). A fleet that would not fit the server's
+      ``max_connections`` gets less per worker (see ``pgqueue.worker.connections`` and the
+      "Fleet of workers" page);
+    - ``tx_pool_size``: connections for handlers that take a ``connection`` (transactional
+      completion), opened only when such a handler runs, closed when idle (default:
+      ``concurrency``); a handler beyond it waits for one;
     - ``event_loop``: the loop ``run_sync`` starts: ``"auto"`` (uvloop when it is installed, as
       it is by default on Linux and macOS: the loop's cost is paid per job), ``"uvloop"`` or
       ``"asyncio"``. ``await worker.run()`` runs on whatever loop the caller has;
@@ -137,12 +140,19 @@ class Worker:
         health_port: int | None = None,
         health_host: str = "0.0.0.0",
         health_file: str | os.PathLike[str] | None = None,
+        connections: int = DEFAULT_CONNECTIONS,
+        tx_pool_size: int | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigurationError("concurrency must be a positive integer")
         prefetch = max(concurrency, PREFETCH_DEFAULT) if prefetch is None else prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigurationError("prefetch must be a non-negative integer")
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ConfigurationError("connections must be a positive integer")
+        tx_pool_size = concurrency if tx_pool_size is None else tx_pool_size
+        if isinstance(tx_pool_size, bool) or not isinstance(tx_pool_size, int) or tx_pool_size < 1:
+            raise ConfigurationError("tx_pool_size must be a positive integer")
 
         def seconds(name: str, value: object, *, zero: bool = False) -> float:
             """A duration from 0 (or above it) up to MAX_DELAY_SECONDS: an infinite or huge
@@ -223,6 +233,10 @@ class Worker:
         self.id = uuid.uuid4()
         self.concurrency = concurrency
         self.prefetch = prefetch
+        #: Live workers at the last count (the heartbeat's), this one included.
+        self.fleet = 1
+        self.connections = connections
+        self.tx_pool_size = tx_pool_size
         self.event_loop = event_loop
         self.health_port = health_port
         self.health_host = health_host
@@ -261,7 +275,6 @@ class Worker:
         self.slots = Slots(state, self._execute)
         q = self.app.q
         name = f"pgqueue-worker:{os.getpid()}"
-        await self._check_database(dsn)
         pool_noise = PoolNoise(state.outage, name)
         logging.getLogger("psycopg.pool").addFilter(pool_noise)
         try:
@@ -279,36 +292,20 @@ class Worker:
                 **self.app.connect_options,
             }
 
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-            dsn,
-            min_size=2,
-            max_size=4,
-            open=False,
-            timeout=10,
-            name="pgqueue-worker",
-            kwargs=connect_kwargs("pool"),
-            reconnect_timeout=POOL_RECONNECT_TIMEOUT,
-        )
-        await pool.open()
-        self.pool = pool
-        # The acks' own connection: never behind a claim or a reaper round.
-        ack_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=1,
-            open=False,
-            timeout=10,
-            name="pgqueue-worker-acks",
-            kwargs=connect_kwargs("acks"),
-            reconnect_timeout=POOL_RECONNECT_TIMEOUT,
-        )
-        await ack_pool.open()
+        # Every connection of the worker's own work, under one budget (see connections.py).
+        self.pool = pool = WorkerPool(dsn, connect_kwargs("pool"), size=self.connections)
+        pool.listen_wanted = self.listen
+        try:
+            await self._check_database(pool)
+        except BaseException:
+            await pool.close()
+            raise
         # Twice the slots: a sync handler abandoned at its timeout keeps its thread until it
         # returns, and the headroom keeps such threads from starving the next handlers
         # (threads are only started when needed).
         threads = ThreadPoolExecutor(2 * self.concurrency, thread_name_prefix="pgqueue-task")
         self.transactions = Transactions(
-            dsn, q, self.concurrency, connect_kwargs("handler"), lock_timeout=self.lease
+            dsn, q, self.tx_pool_size, connect_kwargs("handler"), lock_timeout=self.lease
         )
         self.executor = Executor(self.app, self.id, threads, self.transactions)
 
@@ -319,7 +316,7 @@ class Worker:
 
         self.executor.results_of = results_of
         self.completer = Completer(
-            ack_pool,
+            pool.lane("acks"),
             q,
             self._on_written,
             on_refused=self._on_refused,
@@ -329,7 +326,7 @@ class Worker:
         )
         self.completer.idle = lambda: state.running == 0 and not state.buffer
         self.fetcher = Fetcher(
-            pool,
+            pool.lane("claims"),
             q,
             state,
             worker_id=self.id,
@@ -341,7 +338,7 @@ class Worker:
             schema=self.app.schema,
         )
         self.heartbeat = Heartbeat(
-            dsn,
+            pool.lane("maintenance"),
             q,
             state,
             worker_id=self.id,
@@ -351,10 +348,10 @@ class Worker:
             on_lost=self._on_lost,
             on_cancel=self._on_cancel,
             on_beat=self.liveness.beat,
-            connect_kwargs=connect_kwargs("heartbeat"),
+            on_fleet=self._on_fleet,
         )
         self.reaper = Reaper(
-            pool,
+            pool.lane("maintenance"),
             q,
             state,
             backoff=self.app.backoff,
@@ -365,6 +362,7 @@ class Worker:
             archive=self.archive,
             archive_retention=self.archive_retention,
             wake=self._wake_reaped,
+            fleet=self._fleet_size,
         )
         self.notifier = Notifier(
             dsn,
@@ -376,6 +374,7 @@ class Worker:
             poll_interval=self.poll_interval,
             on_cancel=self._on_cancel_notice,
             outage=state.outage,
+            budget=pool,
         )
         if self.listen:
             self.fetcher.on_waiting = self.notifier.set_waiting
@@ -383,7 +382,13 @@ class Worker:
             self.app, interval=min(self.poll_interval, 1.0), outage=state.outage
         )
         self.recorder = stats.StatsRecorder(self.app.schema, self.id)
-        stats_writer = StatsWriter(pool, self.recorder, self.app.schema, outage=state.outage)
+        stats_writer = StatsWriter(
+            pool.lane("maintenance"),
+            self.recorder,
+            self.app.schema,
+            outage=state.outage,
+            fleet=self._fleet_size,
+        )
         services_stop = asyncio.Event()
         heartbeat_stop = asyncio.Event()
         # Signals first: once registered the worker counts as started, and a SIGTERM from then on
@@ -398,7 +403,6 @@ class Worker:
             await self._close_health()
             self._remove_signals()
             await self.heartbeat.close()
-            await ack_pool.close()
             await pool.close()
             threads.shutdown(wait=False)
             raise
@@ -408,7 +412,10 @@ class Worker:
         services = [
             asyncio.create_task(self.reaper.run(services_stop), name="reaper"),
             asyncio.create_task(self.completer.run(services_stop), name="completer"),
-            asyncio.create_task(self.scheduler.run(pool, services_stop), name="scheduler"),
+            asyncio.create_task(
+                self.scheduler.run(pool.lane("maintenance"), services_stop, self._fleet_size),
+                name="scheduler",
+            ),
             asyncio.create_task(stats_writer.run(services_stop), name="stats"),
         ]
         if self.listen:
@@ -445,7 +452,6 @@ class Worker:
                 task.cancel()
             await self.heartbeat.close()
             await self.transactions.close()
-            await ack_pool.close()
             await pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
             await self._close_health()
@@ -457,20 +463,37 @@ class Worker:
 
     # --- life cycle -----------------------------------------------------------------------
 
-    async def _check_database(self, dsn: str) -> None:
-        conn = await db.connect_async(dsn)
-        async with conn:
+    async def _check_database(self, pool: WorkerPool) -> None:
+        """Fail at once when the tables are missing; wait, with one line said, while the server
+        has no connection slot left (53300): a worker of a full fleet starts once one frees."""
+        delay, said = 0.5, False
+        while True:
             try:
-                await conn.execute(
-                    self.app.q.status_counts.replace(b"GROUP BY", b"WHERE false GROUP BY")
-                )
+                async with pool.connection() as conn:
+                    await conn.execute(
+                        self.app.q.status_counts.replace(b"GROUP BY", b"WHERE false GROUP BY")
+                    )
+                    break
             except psycopg.errors.UndefinedTable:
                 raise ConfigurationError(
                     f"pgqueue's tables are missing in schema {self.app.schema!r}: run "
                     "`pgqueue migrate` (or app.migrate()) first"
                 ) from None
+            except psycopg.OperationalError as exc:
+                if not too_many_connections(exc):
+                    raise db.unavailable(self.app.dsn, exc) from None
+                if not said:
+                    said = True
+                    log.warning(
+                        "PostgreSQL has no connection slot left (too many connections, 53300): "
+                        "waiting for one before starting"
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if said:
+            log.info("got a connection slot: starting")
 
-    async def _register(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+    async def _register(self, pool: WorkerPool) -> None:
         # Limits first: once a worker shows as registered, its tasks' limits are in force (a
         # job enqueued by name from then on gets its group from the database).
         await self._declare_limits(pool)
@@ -488,11 +511,10 @@ class Worker:
                     "tasks": sorted(self.app.tasks),
                 },
             )
+            await self.heartbeat.look_at_fleet(conn)
         self.heartbeat.extended(sent_at)
 
-    async def _declare_limits(
-        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
-    ) -> None:
+    async def _declare_limits(self, pool: WorkerPool) -> None:
         """Write the limits this app's tasks declare, and give the waiting jobs of a task
         limited for the first time their group (they were enqueued before the limit)."""
         declared = {name: t.limits for name, t in self.app.tasks.items() if t.limits is not None}
@@ -519,7 +541,7 @@ class Worker:
 
     async def _stamp_after(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: WorkerPool,
         horizon: str,
         tasks: dict[str, limits.TaskLimits | None],
     ) -> None:
@@ -541,12 +563,21 @@ class Worker:
         except Exception as exc:  # a lost connection: the next start of a worker stamps them
             log.warning("could not give late jobs their limit group: %s", exc)
 
-    async def _deregister(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
+    async def _deregister(self, pool: WorkerPool) -> None:
         try:
             async with pool.connection() as conn:
                 await conn.execute(self.app.q.deregister_worker, {"worker_id": self.id})
         except (psycopg.Error, OSError) as exc:
             log.warning("could not deregister (%s); the row will be pruned", exc)
+
+    def _on_fleet(self, workers: int, max_connections: int, reserved: int, in_use: int) -> None:
+        """The heartbeat counted the live workers: the connection budget follows the fleet,
+        and so do the intervals of the fleet-wide chores (see ``spread``)."""
+        self.fleet = max(workers, 1)
+        self.pool.set_cap(budget(max_connections, reserved, self.fleet, in_use, self.pool.held))
+
+    def _fleet_size(self) -> int:
+        return self.fleet
 
     async def _close_health(self) -> None:
         self.liveness.stop()
@@ -619,9 +650,7 @@ class Worker:
             "%s; those jobs run again once their lease has run out", self.failure.capitalize()
         )
 
-    async def _release_unfinished(
-        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]]
-    ) -> None:
+    async def _release_unfinished(self, pool: WorkerPool) -> None:
         assert self.state is not None
         unfinished = sorted(
             (h for h in self.state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED)),

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from ..schedules import MissedPolicy, due_ticks, next_tick
+from .connections import Connections
 from .outage import Outage
-from .state import pause, round_failed
+from .state import pause, round_failed, spread
 
 if TYPE_CHECKING:
     from ..app import App
@@ -185,11 +186,17 @@ class Scheduler:
         return None if row is None or row[0] is None else float(row[0])
 
     async def run(
-        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]], stop: asyncio.Event
+        self,
+        pool: Connections,
+        stop: asyncio.Event,
+        fleet: Callable[[], int] = lambda: 1,
     ) -> None:
-        """Tick, then sleep until the earliest ``next_run_at`` (at most ``interval``) or until
-        ``stop``. Syncs first unless ``sync`` already ran. Database errors are logged and retried
-        with a capped exponential backoff: a scheduler never takes its worker down."""
+        """Tick, then sleep until the earliest ``next_run_at`` or until ``stop``. Syncs first
+        unless ``sync`` already ran. Between ticks a worker looks again for changed schedules
+        (a new one, a resumed one) every ``interval`` times the live workers (``spread``): the
+        fleet looks about once per ``interval``, whatever its size. Database errors are logged
+        and retried with a capped exponential backoff: a scheduler never takes its worker
+        down."""
         backoff = _BACKOFF_FIRST
         while not stop.is_set():
             try:
@@ -207,10 +214,11 @@ class Scheduler:
                 continue
             backoff = _BACKOFF_FIRST
             self.outage.ok()
+            look = spread(self.interval, fleet())
             if wait is None:
-                delay = self.interval
+                delay = look
             elif wait > 0:
-                delay = min(wait + _EPSILON, self.interval)
+                delay = min(wait + _EPSILON, look)
             elif fired:
                 delay = 0.0  # more became due while we fired
             elif self._unreadable:

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import enum
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -151,6 +152,14 @@ def round_failed(
         log.warning("%s failed (%s); will retry", what, exc)
     else:
         log.error("%s failed unexpectedly; will retry", what, exc_info=exc)
+
+
+def spread(interval: float, fleet: int) -> float:
+    """The pause before one worker's next round of a chore the whole fleet shares (reaping,
+    looking for schedule changes, sampling depth): ``interval`` times the live workers, jittered
+    by half either way, so the fleet as a whole runs about one round per ``interval`` whatever
+    its size, and the workers' rounds do not line up."""
+    return interval * max(fleet, 1) * random.uniform(0.5, 1.5)
 
 
 async def pause(stopping: asyncio.Event, seconds: float) -> None:

@@ -1,18 +1,21 @@
 """Writes this worker's per-second aggregates (counts, latency histograms) and the shared depth
-sample: one small statement per second, never one per job."""
+sample: one small statement per second, never one per job. The depth sample is the fleet's
+(one per second across workers), so each worker offers one about every second times the live
+workers (``spread``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from collections.abc import Callable
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool
 
 from .. import stats
+from .connections import Connections
 from .outage import Outage
-from .state import pause, round_failed
+from .state import pause, round_failed, spread
 
 log = logging.getLogger("pgqueue.worker.stats")
 
@@ -20,13 +23,16 @@ log = logging.getLogger("pgqueue.worker.stats")
 class StatsWriter:
     def __init__(
         self,
-        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        pool: Connections,
         recorder: stats.StatsRecorder,
         schema: str,
         *,
         retention: float = 3600.0,
         outage: Outage | None = None,
+        fleet: Callable[[], int] = lambda: 1,
     ) -> None:
+        self.fleet = fleet
+        self._sample_at = self._prune_at = 0.0
         self.pool = pool
         self.outage = outage or Outage()
         self.recorder = recorder
@@ -34,10 +40,19 @@ class StatsWriter:
         self.retention = retention
 
     async def write(self, rounds: int) -> None:
+        now = time.monotonic()
+        sample, prune = now >= self._sample_at, now >= self._prune_at
+        if sample:
+            self._sample_at = now + spread(1.0, self.fleet())
+        if prune:
+            self._prune_at = now + spread(60.0, self.fleet())
+        if not (sample or prune or self.recorder.pending):
+            return
         async with self.pool.connection() as conn:
             await self.recorder.flush(conn)
-            await stats.sample_depth(conn, self.schema)
-            if rounds % 60 == 0:
+            if sample:
+                await stats.sample_depth(conn, self.schema)
+            if prune:
                 await stats.prune_stats(conn, self.schema, older_than_seconds=self.retention)
 
     async def run(self, stopping: asyncio.Event) -> None:

@@ -6,8 +6,10 @@ the lease was lost while the handler ran, the ack matches nothing and the whole 
 the handler's writes included, rolls back. A job's database effects therefore commit exactly
 once even when the job runs twice.
 
-Handler transactions use pools of their own (opened on first use, one connection per slot), so
-long handlers never starve the claims and acks on the worker's pool. A connection goes back to
+Handler transactions use pools of their own (opened on first use, up to ``tx_pool_size``
+connections each, the async and the sync handlers' pool; idle ones close after ``MAX_IDLE``), so
+long handlers never starve the claims and acks on the worker's connections. A handler that finds
+every connection taken waits for one (its timeout still applies). A connection goes back to
 its pool reset (``RESET_SESSION``): a setting, a temporary table, a LISTEN or an advisory lock
 one handler left on its session never reaches the next job that gets the connection.
 
@@ -30,12 +32,19 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..sql import Queries
 
-#: As the worker's own pools (runtime.POOL_RECONNECT_TIMEOUT): after a failover, retry a lost
-#: connection about once a second, not after psycopg_pool's uncapped doubling.
+#: Seconds psycopg_pool keeps retrying one lost connection before it gives up on it (the next
+#: request for a connection starts a new attempt at once). Its backoff doubles from 1 s without
+#: a cap: with its default (300 s) a pool could wait 16 s or more to try again after a 10 s
+#: failover, while a short budget keeps attempts about a second apart.
 RECONNECT_TIMEOUT = 2.0
 
 #: Given the handler's result, the parameters of its success ack (``complete_jobs``).
 AckParams = Callable[[Any], dict[str, Any]]
+
+#: Seconds an idle handler connection is kept.
+MAX_IDLE = 60.0
+#: A handler waits this long at most for a connection (its own timeout usually ends it first).
+WAIT = 24 * 3600.0
 
 #: What a handler may have left on its session, undone before the next job gets the connection
 #: (DISCARD ALL without DEALLOCATE ALL, which would drop psycopg's prepared statements).
@@ -91,6 +100,8 @@ class Transactions:
                 reset=_reset_async,
                 name="pgqueue-worker-handlers",
                 reconnect_timeout=RECONNECT_TIMEOUT,
+                max_idle=MAX_IDLE,
+                timeout=WAIT,
             )
             await pool.open()
             self._async = pool
@@ -108,6 +119,8 @@ class Transactions:
                     reset=_reset_sync,
                     name="pgqueue-worker-handlers",
                     reconnect_timeout=RECONNECT_TIMEOUT,
+                    max_idle=MAX_IDLE,
+                    timeout=WAIT,
                 )
             return self._sync
 
