@@ -92,10 +92,12 @@ async def test_a_claim_whose_answer_was_lost_is_given_up_two_heartbeats_after_th
         )
         await wait_until_async(lambda: worker.heartbeat.beats >= 2)
         assert status(conn, job) == "running"  # the heartbeat's regular look is an hour away
-        conn.execute(  # the outage, as the heartbeat sees it
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name LIKE 'pgqueue-worker:%:heartbeat'"
-        )
+        # The outage, as the heartbeat sees it: its statement gets no answer within its
+        # interval (the worker's row locked here), so the round fails. (Terminating its idle
+        # connection would not do: the worker's pool replaces a dead idle connection unseen.)
+        with conn.transaction():
+            conn.execute("SELECT 1 FROM pgqueue_workers WHERE id = %s FOR UPDATE", (worker.id,))
+            await wait_until_async(lambda: worker.heartbeat._look_soon > 0, timeout=30)
         await wait_until_async(lambda: status(conn, job) == "retrying", timeout=30)
 
 
