@@ -230,7 +230,9 @@ class Plan:
 
 
 def pgqueue_systems() -> list[System]:
-    """pgqueue, and three variants for the enqueue workloads, never compared with the peers:
+    """pgqueue, a variant for long_tx whose claims always start at the beginning of the index
+    (as before issue 22: what starting where the last claim ended is worth), and three variants
+    for the enqueue workloads, never compared with the peers:
     with a worker waiting for work (so every commit notifies, what NOTIFY costs concurrent
     producers), with the NOTIFY trigger off, and with every job unique (``unique=True``, every
     key new: what the unique path costs). In the plain run no worker waits, as when every
@@ -253,6 +255,14 @@ def pgqueue_systems() -> list[System]:
             argv=argv,
             after_install=["ALTER TABLE pgqueue_jobs DISABLE TRIGGER pgqueue_jobs_notify_ready"],
             workloads={"enqueue_1", "enqueue_4"},
+        ),
+        System(
+            key="pgqueue-from-start",
+            label="pgqueue, claims from the start",
+            family="pgqueue",
+            argv=argv,
+            env={"PGQUEUE_BENCH_FROM_START": "1"},
+            workloads={"long_tx"},
         ),
         System(
             key="pgqueue-unique",
