@@ -26,6 +26,7 @@ import pgqueue
 from pgqueue.sql import queries
 from pgqueue.worker import fetcher, horizon
 from tests.helpers import register_worker, running_worker, wait_until_async
+from tests.plans import buffers, claim_selection, explain, nodes
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 2.0, "heartbeat_interval": 0.25, "poll_interval": 0.2, "reaper_interval": 0.3}
@@ -49,6 +50,55 @@ def snapshot(dsn: str) -> Iterator[Conn]:
         holder.execute("SELECT count(*) FROM pg_class")
         yield holder
         holder.execute("COMMIT")
+
+
+@pytest.mark.parametrize("queues", [None, ["a"]])
+def test_a_claim_after_the_bound_steps_over_the_jobs_claimed_under_a_held_snapshot(
+    conn: Conn, dsn: str, queues: list[str] | None
+) -> None:
+    """20,000 jobs claimed and finished while a snapshot is held: their entries stay in the ready
+    index and cannot even be marked dead. A claim from the start visits the row of each; one
+    from where the last claim ended reads about its batch (on the plan a worker runs: generic
+    for all queues, custom for a list)."""
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task) SELECT 'a', 't' FROM generate_series(1, 30000)"
+    )
+    conn.execute("VACUUM ANALYZE pgqueue_jobs")
+    worker = uuid.uuid4()
+    register_worker(conn, worker)
+    q = queries("public")
+    params: dict[str, Any] = {"worker_id": worker, "limit": 200, "token": uuid.uuid4(),
+                              "tasks": None, "queues": queues}  # fmt: skip
+    with psycopg.connect(dsn, autocommit=True) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pg_class")
+        conn.execute(
+            "UPDATE pgqueue_jobs SET status = 'succeeded', attempts = 1, finished_at = now()"
+            " WHERE id IN (SELECT id FROM pgqueue_jobs ORDER BY id LIMIT 20000)"
+        )
+        row = conn.execute(
+            "SELECT priority, run_at::text, id FROM pgqueue_jobs WHERE status = 'succeeded'"
+            " ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+        assert row is not None
+        bound = {"after_priority": row[0], "after_run_at": row[1], "after_id": row[2]}
+        plain = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+        after = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
+        generic = queues is None
+        from_start = claim_selection(explain(conn, plain, params, generic=generic))
+        plan = explain(conn, after, {**params, **bound}, generic=generic)
+        holder.execute("COMMIT")
+    assert plan["Actual Rows"] == 200
+    selection = claim_selection(plan)
+    # From the start: the index and heap pages of the 20,000 claimed jobs (~800 buffers here),
+    # then the batch's. After the bound: the batch's pages and its 200 row locks (~210).
+    assert buffers(from_start) > 600, buffers(from_start)
+    assert buffers(selection) < 350, buffers(selection)
+    (scan,) = [
+        n for n in nodes(selection)
+        if n.get("Relation Name") == "pgqueue_jobs" and n["Actual Rows"] > 0
+    ]  # fmt: skip
+    assert scan["Node Type"] == "Index Scan" and "ROW(run_at, id) >" in scan["Index Cond"], scan
 
 
 def statuses(conn: Conn) -> dict[str, int]:

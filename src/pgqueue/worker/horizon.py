@@ -31,9 +31,7 @@ LOOK_EVERY = 30.0
 
 
 class HorizonWatch:
-    def __init__(
-        self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]], q: Queries
-    ) -> None:
+    def __init__(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]], q: Queries) -> None:
         self.pool = pool
         self.q = q
         #: The transaction named in the warning (pid), until claims are fast again.
