@@ -194,11 +194,15 @@ async def test_a_slow_claim_names_the_transaction_holding_back_vacuum_once(
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
 
     async with running_worker(app, concurrency=4, **FAST) as worker:
-        for batch in range(6):  # several claims from the start, each as slow as the last
-            app.enqueue_many([("noop", {"n": n}) for n in range(50)])
-            await wait_until_async(lambda: statuses(conn) == {"succeeded": 50 * (batch + 1)})
-            await asyncio.sleep(fetcher.BOUND_RESET)
+        claims = worker.fetcher
+        app.enqueue_many([("noop", {"n": n}) for n in range(50)])
         await wait_until_async(lambda: lines("claims slowed"), timeout=30)
+        # More claims from the start, each as slow as the first: no second warning.
+        from_start = claims.claims - claims.claims_after
+        for batch in (2, 3):
+            app.enqueue_many([("noop", {"n": n}) for n in range(50)])
+            await wait_until_async(lambda b=batch: statuses(conn) == {"succeeded": 50 * b})
+        await wait_until_async(lambda: claims.claims - claims.claims_after >= from_start + 3)
         (warning,) = lines("claims slowed")
         assert f"pid {holder} " in warning and "'nightly-report'" in warning, warning
         assert "idle in transaction" in warning
@@ -209,6 +213,7 @@ async def test_a_slow_claim_names_the_transaction_holding_back_vacuum_once(
         monkeypatch.setattr(fetcher, "SLOW_CLAIM", float("inf"))
         app.enqueue("noop", {"n": 0})
         await wait_until_async(lambda: lines("claims are fast again"), timeout=30)
+        await wait_until_async(lambda: statuses(conn) == {"succeeded": 151})
         assert worker.fetcher.horizon.named is None
     assert len(lines("claims slowed")) == 1
     assert lines("claims are fast again") == [
