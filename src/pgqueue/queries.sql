@@ -526,8 +526,7 @@ WHERE j.id = s.id AND j.status IN ('queued', 'retrying') AND j.limit_key IS NULL
 -- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
 -- claim_jobs_in_queues restricted to a list of queues, which for a single queue reads
 -- pgqueue_jobs_ready_queue_idx in order (its custom plan folds `queue = (queues)[1]` into an
--- equality). The last row's priority and run_at (as text: the fetcher only sends it back) are
--- where claim_jobs_after can start.
+-- equality).
 -- The LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL plan every
 -- claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always looks
 -- cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans assume
@@ -556,8 +555,7 @@ WITH claimed AS (
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
               j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
-       priority, run_at::text
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_jobs_by_priority
@@ -645,8 +643,7 @@ WITH claimed AS (
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
               j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
-       priority, run_at::text
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_jobs_after
@@ -718,6 +715,12 @@ WITH claimed AS (
 SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
        priority, run_at::text
 FROM claimed ORDER BY priority DESC, run_at, id
+
+-- name: claim_position
+-- Where a claim from the start ended, when it was slow: the last claimed job's place in claim
+-- order (claim_jobs_after's first bound). A primary-key probe, only when claims turn slow, so the
+-- claims from the start return no more than they always did.
+SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 
 -- name: vacuum_horizon_holder
 -- The oldest transaction of this database older than %(older_than)s seconds that holds back

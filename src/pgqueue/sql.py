@@ -157,6 +157,7 @@ class Queries:
     claim_jobs_by_priority_in_queues: bytes
     claim_jobs_after: bytes
     claim_jobs_after_in_queues: bytes
+    claim_position: bytes
     vacuum_horizon_holder: bytes
     begin_limited_claim: bytes
     limit_claim_timeout: bytes

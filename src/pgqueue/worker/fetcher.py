@@ -393,11 +393,19 @@ class Fetcher:
             self._claim_sent = sent = loop.time()
             cur = await conn.execute(statement, params)
             rows = await cur.fetchall()
-            if not after:
+            if after:
+                if rows:
+                    last = rows[-1]
+                    self.bound = (last[8], last[9], last[0])
+                rows = [row[:8] for row in rows]
+            else:
                 self._from_start_at, self._from_start_took = sent, loop.time() - sent
-            if rows:
-                last = rows[-1]
-                self.bound = (last[8], last[9], last[0])
+                if rows and self._from_start_took >= SLOW_CLAIM:
+                    # The next claims start here: where this one ended, in claim order.
+                    where = await conn.execute(self.q.claim_position, {"id": rows[-1][0]})
+                    position = await where.fetchone()
+                    if position is not None:
+                        self.bound = (position[0], position[1], rows[-1][0])
             jobs = [
                 ClaimedJob(
                     job_id,
@@ -410,7 +418,7 @@ class Fetcher:
                     pickup,
                     meta=None if meta is None else _decode(meta)[0],
                 )
-                for job_id, queue, task, args, attempt, max_attempts, pickup, meta, _, _ in rows
+                for job_id, queue, task, args, attempt, max_attempts, pickup, meta in rows
             ]
             if not self.tasks.keys() >= {job.task for job in jobs}:
                 jobs = await self._hand_back_unknown(conn, jobs)
