@@ -492,6 +492,13 @@ class Fetcher:
             self.state.wakeup.set()  # recompute the wait
 
     async def run(self, stopping: asyncio.Event) -> None:
+        try:
+            await self._run(stopping)
+        finally:
+            if self._horizon_look is not None and not self._horizon_look.done():
+                self._horizon_look.cancel()  # a diagnosis: not worth delaying a shutdown
+
+    async def _run(self, stopping: asyncio.Event) -> None:
         state = self.state
         maybe_more = True
         loop = asyncio.get_running_loop()
