@@ -17,6 +17,7 @@ import datetime
 import logging
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -99,6 +100,10 @@ def test_a_claim_after_the_bound_steps_over_the_jobs_claimed_under_a_held_snapsh
         if n.get("Relation Name") == "pgqueue_jobs" and n["Actual Rows"] > 0
     ]  # fmt: skip
     assert scan["Node Type"] == "Index Scan" and "ROW(run_at, id) >" in scan["Index Cond"], scan
+
+
+def succeeded(conn: Conn, count: int) -> bool:
+    return statuses(conn) == {"succeeded": count}
 
 
 def statuses(conn: Conn) -> dict[str, int]:
@@ -199,9 +204,9 @@ async def test_a_slow_claim_names_the_transaction_holding_back_vacuum_once(
         await wait_until_async(lambda: lines("claims slowed"), timeout=30)
         # More claims from the start, each as slow as the first: no second warning.
         from_start = claims.claims - claims.claims_after
-        for batch in (2, 3):
+        for done in (100, 150):
             app.enqueue_many([("noop", {"n": n}) for n in range(50)])
-            await wait_until_async(lambda b=batch: statuses(conn) == {"succeeded": 50 * b})
+            await wait_until_async(partial(succeeded, conn, done))
         await wait_until_async(lambda: claims.claims - claims.claims_after >= from_start + 3)
         (warning,) = lines("claims slowed")
         assert f"pid {holder} " in warning and "'nightly-report'" in warning, warning
