@@ -617,14 +617,15 @@ async def long_tx(
                 while True:
                     line = await producer.next(timeout=duration + 60)
                     now = time.time()
+                    boundary = bool(line.get("done"))  # each phase's ends are counted
                     if not holding and now >= held_from:
                         for statement in HOLD_SNAPSHOT:
                             holder.execute(statement)
-                        holding, held_from = True, now
+                        holding, held_from, boundary = True, now, True
                     if holding and not released and now >= held_to:
                         holder.execute(b"COMMIT")
-                        released, held_to = True, now
-                    if now >= count_at or line.get("done"):
+                        released, held_to, boundary = True, now, True
+                    if boundary or now >= count_at:
                         took = time.perf_counter()
                         row = conn.execute(system.remaining_sql.encode()).fetchone()
                         took = time.perf_counter() - took
