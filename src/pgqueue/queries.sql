@@ -672,6 +672,94 @@ WITH claimed AS (
 SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
+-- name: claim_jobs_after
+-- claim_jobs from where the worker's last claim ended (priority, run_at, id: its last row), for
+-- while a long transaction holds back vacuum (docs/concepts/claiming.md, "Long transactions").
+-- A claimed job's entry stays in pgqueue_jobs_ready_idx, pointing at its queued row version,
+-- until vacuum removes both; vacuum can remove neither while an older snapshot is open, so every
+-- claim that starts at the beginning of the index reads every job claimed since that snapshot
+-- (a heap visit each: 73,000 of them cost a claim 34 ms after 40 s at 2,000 jobs/s). Here the
+-- bound's priority is read from the bound on, an index start key (priority equal, then the row
+-- comparison), so those entries are stepped over. Higher priorities are read whole first and
+-- lower ones after it, so priority stays strict; what it misses is a job of the bound's priority
+-- that became ready behind it (a released or reaped job, a past run_at, a resumed queue): the
+-- fetcher claims from the start again at least every BOUND_RESET seconds (fetcher.py). Each
+-- branch is an ordered scan with its own LIMIT hidden in a subquery (as in claim_jobs), locked
+-- row by row as the outer LIMIT pulls it through UNION ALL, so no row beyond the batch is
+-- locked and the order is the branches' order. The rest is claim_jobs'; rendered twice like it.
+WITH claimed AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+    WHERE j.id = ANY(ARRAY(
+        SELECT x.id FROM (
+            SELECT a.id FROM (SELECT id FROM {schema}.pgqueue_jobs
+             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+               AND priority > %(after_priority)s::int
+               AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
+                                            WHERE paused OR concurrency_limit IS NOT NULL
+                                                  OR rate_limit IS NOT NULL))
+               AND limit_key IS NULL
+               AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+             ORDER BY priority DESC, run_at, id
+             LIMIT (SELECT %(limit)s::int)
+             FOR UPDATE SKIP LOCKED) a
+            UNION ALL
+            SELECT a.id FROM (SELECT id FROM {schema}.pgqueue_jobs
+             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+               AND priority = %(after_priority)s::int
+               AND (run_at, id) > (%(after_run_at)s::timestamptz, %(after_id)s::bigint)
+               AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
+                                            WHERE paused OR concurrency_limit IS NOT NULL
+                                                  OR rate_limit IS NOT NULL))
+               AND limit_key IS NULL
+               AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+             ORDER BY priority DESC, run_at, id
+             LIMIT (SELECT %(limit)s::int)
+             FOR UPDATE SKIP LOCKED) a
+            UNION ALL
+            SELECT a.id FROM (SELECT id FROM {schema}.pgqueue_jobs
+             WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+               AND priority < %(after_priority)s::int
+               AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
+                                            WHERE paused OR concurrency_limit IS NOT NULL
+                                                  OR rate_limit IS NOT NULL))
+               AND limit_key IS NULL
+               AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+             ORDER BY priority DESC, run_at, id
+             LIMIT (SELECT %(limit)s::int)
+             FOR UPDATE SKIP LOCKED) a
+        ) x
+        WHERE EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                      WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
+        LIMIT {claim_limit}
+    ))
+    RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
+              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
+              j.priority, j.run_at, j.meta
+)
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
+       priority, run_at::text
+FROM claimed ORDER BY priority DESC, run_at, id
+
+-- name: claim_position
+-- Where a claim from the start ended, when it was slow: the last claimed job's place in claim
+-- order (claim_jobs_after's first bound). A primary-key probe, only when claims turn slow, so the
+-- claims from the start return no more than they always did.
+SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
+
+-- name: vacuum_horizon_holder
+-- The oldest transaction of this database older than %(older_than)s seconds that holds back
+-- vacuum (it has a snapshot or an xid), as the dashboard's health strip finds it
+-- (oldest_transaction in dashboard/queries.sql): its pid, application_name, state and age in
+-- seconds. No row: none. One pass over pg_stat_activity, in memory; asked only when claims slow.
+SELECT a.pid, a.application_name, a.state, extract(epoch FROM now() - a.xact_start)::float8
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+  AND a.xact_start < now() - make_interval(secs => %(older_than)s)
+ORDER BY a.xact_start LIMIT 1
+
 -- name: begin_limited_claim
 -- The limited claim's transaction counts slots in its second statement with a snapshot newer
 -- than its locks: READ COMMITTED whatever the server's default. A claimer that stalls between

@@ -60,6 +60,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         "claim_jobs_by_priority",
         {**IN_QUEUES, "claim_limit": "%(limit)s"},
     ),
+    "claim_jobs_after_in_queues": ("claim_jobs_after", {**IN_QUEUES, "claim_limit": "%(limit)s"}),
     "next_ready_at_in_queues": ("next_ready_at", IN_QUEUES),
     "complete_jobs_skip_locked": (
         "complete_jobs",
@@ -159,6 +160,10 @@ class Queries:
     claim_jobs_in_queues: bytes
     claim_jobs_by_priority: bytes
     claim_jobs_by_priority_in_queues: bytes
+    claim_jobs_after: bytes
+    claim_jobs_after_in_queues: bytes
+    claim_position: bytes
+    vacuum_horizon_holder: bytes
     begin_limited_claim: bytes
     limit_claim_timeout: bytes
     lock_limit_groups: bytes

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pgqueue.bench import runner
 from pgqueue.bench.processes import find_postmaster
 from tests.conftest import Server
 
@@ -126,3 +127,26 @@ def test_bench_coalesce_compares_coalescing_on_and_off_in_pairs(
     assert run["speedup"] == pytest.approx(run["rate"] / run["off_rate"])
     assert 0 < run["p50"] <= run["p99"] and 0 < run["off_p50"] <= run["off_p99"]
     assert run["per_batch"] >= 1
+
+
+@pytest.mark.slow
+def test_bench_long_tx_reports_each_phase_and_runs_only_when_asked(
+    pg_server: Server, tmp_path: Path
+) -> None:
+    out = bench(
+        pg_server, tmp_path, "--reps", "1", "--only", "long_tx", "--long-tx-rate", "200",
+        "--long-tx-clean", "3", "--long-tx-hold", "4", "--long-tx-recovery", "4", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    # pgqueue, and pgqueue with claims always from the start of the index (as before issue 22).
+    assert set(report["runs"]["long_tx"]) == {"pgqueue", "pgqueue-from-start"}
+    (run,) = report["runs"]["long_tx"]["pgqueue"]
+    assert run["held_done"] > 0 and 3.5 <= run["hold_s"] <= 6
+    for phase in ("clean", "held", "recovery"):
+        assert run[f"{phase}_offered"] > 0
+        assert 0 < run[f"{phase}_p50"] <= run[f"{phase}_p99"]
+    assert run["held_backlog"] >= 0 and run["recovery_backlog"] >= 0
+    assert report["long_tx"] == {"rate": 200.0, "clean": 3.0, "hold": 4.0, "recovery": 4.0}
+    # Not part of the default table: it takes minutes per system.
+    assert "long_tx" not in {w.key for w in runner.Plan.make(False, None).workloads()}

@@ -2,10 +2,12 @@
 
 A claim takes the due jobs (queued or retrying, ``run_at <= now()``) in the order
 ``priority DESC, run_at, id``, skipping rows another session holds, and locks nothing beyond its
-batch. Both claim statements do, the plain one and the one a worker uses while jobs wait for a
+batch. Every claim statement does, the plain one and the one a worker uses while jobs wait for a
 later run_at: that one walks the distinct priorities instead of the index entries, so delayed jobs
 of a higher priority, however many, cost it a few index descents (see claim_jobs_by_priority in
-queries.sql).
+queries.sql). The one a worker uses while a long transaction holds back vacuum
+(claim_jobs_after) takes the same, but for the jobs of its bound's priority at or before the
+bound.
 ``next_ready_at`` tells an idle worker how long until the next delayed job is due.
 """
 
@@ -67,6 +69,20 @@ WHERE status IN ('queued', 'retrying') AND run_at <= now()
   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
 ORDER BY priority DESC, run_at, id
 """
+#: What claim_jobs_after takes: the same, but for the jobs of the bound's priority at or before
+#: the bound (those a claim from the start takes later).
+REFERENCE_AFTER = """
+SELECT id FROM pgqueue_jobs
+WHERE status IN ('queued', 'retrying') AND run_at <= now()
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  AND NOT (priority = %(after_priority)s
+           AND (run_at, id) <= (%(after_run_at)s::timestamptz, %(after_id)s))
+ORDER BY priority DESC, run_at, id
+"""
+#: A bound where some job is (any status: the last claimed job's place), or where none is.
+BOUND = """
+SELECT priority, run_at::text, id FROM pgqueue_jobs ORDER BY id OFFSET %(n)s LIMIT 1
+"""
 
 
 def fill(conn: Conn, rows: list[Row]) -> list[int]:
@@ -104,10 +120,10 @@ def claim_params(limit: int, queues: list[str] | None) -> dict[str, Any]:
     return params
 
 
-@pytest.mark.parametrize("by_priority", [False, True], ids=["plain", "by_priority"])
+@pytest.mark.parametrize("statement", ["plain", "by_priority", "after"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
-    conn: Conn, dsn: str, layout: str, by_priority: bool
+    conn: Conn, dsn: str, layout: str, statement: str
 ) -> None:
     """Against a plain SELECT in claim order, for random mixes of priorities, statuses, due and
     delayed rows, queue lists, and rows held by a concurrent claimer: the same jobs in the same
@@ -118,22 +134,27 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
     with psycopg.connect(dsn) as claimer, psycopg.connect(dsn) as other:
 
         def claim(ids: list[int], held: list[int], limit: int, queues: list[str] | None,
-                  mode: str) -> None:  # fmt: skip
+                  mode: str, bound: dict[str, Any]) -> None:  # fmt: skip
             try:
                 other.execute("SELECT id FROM pgqueue_jobs WHERE id = ANY(%s) FOR UPDATE", (held,))
                 claimer.execute(f"SET LOCAL plan_cache_mode = {mode}".encode())
-                reference = claimer.execute(REFERENCE, {"queues": queues}).fetchall()
-                expected = [r[0] for r in reference if r[0] not in held][:limit]
-                if by_priority:
-                    statement = (
+                if statement == "after":
+                    reference = claimer.execute(REFERENCE_AFTER, {"queues": queues, **bound})
+                else:
+                    reference = claimer.execute(REFERENCE, {"queues": queues})
+                expected = [r[0] for r in reference.fetchall() if r[0] not in held][:limit]
+                if statement == "by_priority":
+                    sql = (
                         q.claim_jobs_by_priority
                         if queues is None
                         else q.claim_jobs_by_priority_in_queues
                     )
+                elif statement == "after":
+                    sql = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
                 else:
-                    statement = q.claim_jobs if queues is None else q.claim_jobs_in_queues
-                params = claim_params(limit, queues)
-                claimed = [r[0] for r in claimer.execute(statement, params, prepare=True)]
+                    sql = q.claim_jobs if queues is None else q.claim_jobs_in_queues
+                params = {**claim_params(limit, queues), **bound}
+                claimed = [r[0] for r in claimer.execute(sql, params, prepare=True)]
                 assert claimed == expected, mode
                 # The other session sees every row but the claimed ones free (its own it holds).
                 free = other.execute("SELECT id FROM pgqueue_jobs FOR UPDATE SKIP LOCKED")
@@ -143,12 +164,19 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
                 other.rollback()
 
         @settings(max_examples=100, deadline=None, database=None)
-        @given(rows=LAYOUTS[layout], limit=st.integers(1, 60), queues=queue_lists)
-        def same_as_the_plain_select(rows: list[Row], limit: int, queues: list[str] | None) -> None:
+        @given(rows=LAYOUTS[layout], limit=st.integers(1, 60), queues=queue_lists,
+               at=st.integers(0, 200))  # fmt: skip
+        def same_as_the_plain_select(
+            rows: list[Row], limit: int, queues: list[str] | None, at: int
+        ) -> None:
             ids = fill(conn, rows)
             held = [i for i, row in zip(ids, rows, strict=True) if row[4]]
+            found = conn.execute(BOUND, {"n": at}).fetchone()
+            after_priority, after_run_at, after_id = found or (0, "2000-01-01 00:00:00+00", 0)
+            bound = {"after_priority": after_priority, "after_run_at": after_run_at,
+                     "after_id": after_id}  # fmt: skip
             for mode in ("force_generic_plan", "force_custom_plan"):
-                claim(ids, held, limit, queues, mode)
+                claim(ids, held, limit, queues, mode, bound)
 
         same_as_the_plain_select()
 

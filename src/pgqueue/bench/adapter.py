@@ -98,6 +98,11 @@ class PgqueueAdapter:
             await conn.execute(FILL_FINISHED, {"count": count})
 
     async def work(self, options: driver.WorkOptions, on_start: Callable[[int], None]) -> None:
+        if os.environ.get("PGQUEUE_BENCH_FROM_START") == "1":
+            # The "claims from the start" variant: never start where the last claim ended.
+            from ..worker import fetcher
+
+            fetcher.SLOW_CLAIM = float("inf")
         self.on_start = on_start
         self.sleep = options.sleep
         config: dict[str, Any] = {

@@ -26,6 +26,14 @@ def _default_peers_venv() -> Path:
 @click.option("--quick", is_flag=True, help="Smaller runs: a couple of minutes.")
 @click.option("--reps", type=click.IntRange(min=1), default=None, help="Repetitions (3).")
 @click.option("--only", default="", help="Comma-separated workload keys (see --json output).")
+@click.option("--long-tx-rate", type=click.FloatRange(min=1), default=None,
+              help="long_tx: jobs/s offered (2,000).")  # fmt: skip
+@click.option("--long-tx-hold", type=click.FloatRange(min=1), default=None,
+              help="long_tx: seconds the snapshot is held (600; --quick 90).")  # fmt: skip
+@click.option("--long-tx-clean", type=click.FloatRange(min=1), default=None,
+              help="long_tx: seconds before it (60; --quick 30).")  # fmt: skip
+@click.option("--long-tx-recovery", type=click.FloatRange(min=1), default=None,
+              help="long_tx: seconds after it (60; --quick 45).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--markdown", is_flag=True, help="Print the table as Markdown.")
 @click.option("--load", "load_path", type=click.Path(path_type=Path, exists=True), default=None,
@@ -42,6 +50,10 @@ def bench_command(
     quick: bool,
     reps: int | None,
     only: str,
+    long_tx_rate: float | None,
+    long_tx_hold: float | None,
+    long_tx_clean: float | None,
+    long_tx_recovery: float | None,
     as_json: bool,
     markdown: bool,
     load_path: Path | None,
@@ -50,7 +62,8 @@ def bench_command(
 ) -> None:
     """Measure enqueue, processing, pickup latency, steady state, depth, claims beside delayed
     jobs, drains under limits and the coalescing producer (with --peers: side by side with the
-    peers, interleaved, medians of 3)."""
+    peers, interleaved, medians of 3). ``--only long_tx`` measures a held snapshot (on request
+    only: it takes minutes per system)."""
     try:
         from rich.console import Console
     except ImportError:
@@ -63,7 +76,16 @@ def bench_command(
     console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 160)
     plan = runner.Plan.make(quick, reps)
     plan.only = {key.strip() for key in only.split(",") if key.strip()}
+    for name, value in (
+        ("long_tx_rate", long_tx_rate),
+        ("long_tx_hold", long_tx_hold),
+        ("long_tx_clean", long_tx_clean),
+        ("long_tx_recovery", long_tx_recovery),
+    ):
+        if value is not None:
+            setattr(plan, name, value)
     known = {w.key for w in runner.Plan.make(quick, reps).workloads()} | {"ceiling"}
+    known |= runner.ON_REQUEST
     if plan.only - known:
         click.echo(
             f"error: unknown workload(s) {', '.join(sorted(plan.only - known))}; "

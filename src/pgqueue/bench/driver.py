@@ -13,8 +13,12 @@ Roles (``python adapter.py ROLE --dsn DSN [options]``):
 - ``enqueue``: ``--jobs N --producers P --batch B``; B = 1 is one job per transaction.
 - ``fill-finished``: ``--jobs N`` rows that look finished (for the depth workload).
 - ``produce``: ``--count N --interval-ms T`` (one job per transaction every T ms, reporting each
-  commit time) or ``--rate R --duration D`` (batches every 10 ms, reporting counts).
-- ``work``: prints ``ready``, waits for ``go`` on stdin, runs a worker until ``stop``.
+  commit time) or ``--rate R --duration D`` (batches every 10 ms, reporting counts). With
+  ``--stamp`` each job's ``seq`` carries the time its enqueue call began (``stamp``), so a worker
+  can tell its pickup latency without a table of commit times.
+- ``work``: prints ``ready``, waits for ``go`` on stdin, runs a worker until ``stop``. With
+  ``--pickups`` it reports, per second of enqueue, a histogram of stamped jobs' pickup latencies
+  (``pickup_bin``), small whatever the number of jobs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +66,34 @@ class WorkOptions:
         self.poll: float = args.poll
         self.config: dict[str, Any] = json.loads(args.config)
         self.stop = asyncio.Event()
+
+
+#: Stamped seqs: milliseconds since STAMP_EPOCH (seconds) times STAMP_SPAN, plus the job's place
+#: in its enqueue call (fewer than STAMP_SPAN per call). Below 2**53, exact as JSON numbers anywhere.
+STAMP_EPOCH = 1_700_000_000
+STAMP_SPAN = 10_000
+#: Pickup histogram bins grow by this factor (5 %: percentiles to within that).
+PICKUP_STEP = 1.05
+
+
+def stamp(at: float) -> int:
+    """The first seq of an enqueue call made at ``at`` (time.time())."""
+    return int((at - STAMP_EPOCH) * 1000) * STAMP_SPAN
+
+
+def stamped_at(seq: int) -> float:
+    """When the enqueue call of a stamped ``seq`` began (time.time())."""
+    return (seq // STAMP_SPAN) / 1000 + STAMP_EPOCH
+
+
+def pickup_bin(seconds: float) -> int:
+    """The histogram bin of a pickup latency: 0 up to a millisecond, then 5 % steps."""
+    return 0 if seconds <= 0.001 else 1 + int(math.log(seconds * 1000, PICKUP_STEP))
+
+
+def bin_seconds(index: int) -> float:
+    """The upper edge of a bin, in seconds (what a percentile falling in it reports)."""
+    return 0.001 * PICKUP_STEP**index
 
 
 def emit(**fields: Any) -> None:
@@ -107,9 +140,11 @@ async def _produce(adapter: Adapter, args: argparse.Namespace) -> None:
     next_report = started + 0.5
     while loop.time() - started < args.duration:
         target = int((loop.time() - started) * args.rate) + per_tick
-        if target > produced:
-            await adapter.enqueue_many(range(produced, target))
-            produced = target
+        while target > produced:
+            count = min(target - produced, STAMP_SPAN - 1)
+            first = stamp(time.time()) if args.stamp else produced
+            await adapter.enqueue_many(range(first, first + count))
+            produced += count
         if loop.time() >= next_report:
             emit(produced=produced, t=time.time())
             next_report += 0.5
@@ -120,6 +155,7 @@ async def _produce(adapter: Adapter, args: argparse.Namespace) -> None:
 async def _work(adapter: Adapter, args: argparse.Namespace) -> None:
     options = WorkOptions(args)
     starts: dict[int, float] = {}
+    pickups: dict[int, dict[int, int]] = {}  # second of enqueue -> bin -> jobs
     handled = 0
 
     def on_start(seq: int) -> None:
@@ -127,6 +163,11 @@ async def _work(adapter: Adapter, args: argparse.Namespace) -> None:
         handled += 1
         if args.record_starts:
             starts[seq] = time.time()
+        if args.pickups:
+            at = stamped_at(seq)
+            bins = pickups.setdefault(int(at), {})
+            index = pickup_bin(time.time() - at)
+            bins[index] = bins.get(index, 0) + 1
 
     emit(ready=True)
     if (await _stdin_line()).strip() != "go":
@@ -136,7 +177,7 @@ async def _work(adapter: Adapter, args: argparse.Namespace) -> None:
     await asyncio.wait({worker, stopper}, return_when=asyncio.FIRST_COMPLETED)
     options.stop.set()
     await worker
-    emit(handled=handled, starts=starts)
+    emit(handled=handled, starts=starts, pickups=pickups)
 
 
 async def _main(adapter: Adapter, args: argparse.Namespace) -> None:
@@ -179,6 +220,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-listen", action="store_true")
     p.add_argument("--poll", type=float, default=1.0)
     p.add_argument("--record-starts", action="store_true")
+    p.add_argument("--stamp", action="store_true", help="seqs carry their enqueue time")
+    p.add_argument("--pickups", action="store_true", help="report stamped jobs' pickups")
     p.add_argument("--config", default="{}", help="adapter-specific settings as JSON")
     return p
 

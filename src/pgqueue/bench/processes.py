@@ -224,6 +224,11 @@ class Adapter:
             self.proc.kill()
 
 
+#: The longest JSON line an adapter may print: a worker's report carries its starts or its pickup
+#: histogram (long_tx: a few kB per second of the run), far beyond asyncio's default of 64 KiB.
+LINE_LIMIT = 256 * 2**20
+
+
 @contextlib.asynccontextmanager
 async def adapter(
     system: System, role: str, dsn: str, args: Sequence[str], logdir: Path
@@ -233,7 +238,7 @@ async def adapter(
         proc = await asyncio.create_subprocess_exec(
             *system.argv, role, "--dsn", dsn, *args,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
-            env={**os.environ, **system.env},
+            env={**os.environ, **system.env}, limit=LINE_LIMIT,
         )  # fmt: skip
     running = Adapter(proc, f"{system.label} {role}", log)
     try:

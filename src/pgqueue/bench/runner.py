@@ -114,6 +114,23 @@ STEADY = [
     Metric("size_end_mb", "database MB at end", "{:.0f}", LOWER),
 ]
 
+LONG_TX = [
+    *(Metric(f"{phase}_{key}", f"{label}, {title}", unit, better)
+      for phase, title in (("clean", "before"), ("held", "snapshot held"),
+                           ("recovery", "after"))
+      for key, label, unit, better in (
+          ("offered", "offered jobs/s", "{:,.0f}", HIGHER),
+          ("done", "done jobs/s", "{:,.0f}", HIGHER),
+          ("p50", "pickup p50 s", "{:.3f}", LOWER),
+          ("p99", "pickup p99 s", "{:.3f}", LOWER))),
+    Metric("held_backlog", "backlog when the snapshot ends", "{:,.0f}", LOWER),
+    Metric("drain_s", "s from then to the usual backlog", "{:.1f}", LOWER),
+    Metric("recovery_backlog", "backlog at the end", "{:,.0f}", LOWER),
+]  # fmt: skip
+
+#: Workloads that run only when --only names them.
+ON_REQUEST = {"long_tx"}
+
 
 @dataclass
 class Plan:
@@ -133,6 +150,12 @@ class Plan:
     poll_interval: float = 0.25
     ceiling_seconds: int = 10
     coalesce_jobs: int = 20_000
+    #: long_tx: offered jobs/s, and seconds before, during and after the held snapshot. It runs
+    #: only when asked for (--only long_tx): the full version takes 12 minutes per system.
+    long_tx_rate: float = 2000.0
+    long_tx_clean: float = 60.0
+    long_tx_hold: float = 600.0
+    long_tx_recovery: float = 60.0
     only: set[str] = field(default_factory=set)
 
     @classmethod
@@ -141,7 +164,8 @@ class Plan:
             return cls(quick, reps or 3, steady_seconds=10, steady_rate=1000, depth_waiting=10_000,
                        depth_finished=100_000, delayed_ready=10_000, delayed_jobs=200_000,
                        processing_jobs=10_000, io_jobs=5_000, single_jobs=600, bulk_jobs=20_000,
-                       latency_jobs=60, ceiling_seconds=5, coalesce_jobs=5_000)  # fmt: skip
+                       latency_jobs=60, ceiling_seconds=5, coalesce_jobs=5_000,
+                       long_tx_clean=30, long_tx_hold=90, long_tx_recovery=45)  # fmt: skip
         return cls(quick, reps or 3, steady_seconds=60, steady_rate=2000, depth_waiting=100_000,
                    depth_finished=1_000_000, delayed_ready=100_000, delayed_jobs=1_000_000,
                    processing_jobs=30_000, io_jobs=15_000, single_jobs=2_000, bulk_jobs=50_000,
@@ -196,14 +220,22 @@ class Plan:
                      "100 coroutines enqueueing single jobs: App(coalesce=True) against without",
                      COALESCE, lambda c, s: w.coalesce(c, s, 100, p.coalesce_jobs),
                      systems="pgqueue"),
+            Workload("long_tx",
+                     f"{p.long_tx_rate:,.0f} jobs/s offered, a snapshot held "
+                     f"{p.long_tx_hold:g} s ({p.long_tx_clean:g} s before, "
+                     f"{p.long_tx_recovery:g} s after), 1 worker, concurrency 50", LONG_TX,
+                     lambda c, s: w.long_tx(c, s, p.long_tx_rate, p.long_tx_clean,
+                                            p.long_tx_hold, p.long_tx_recovery, 50)),
         ]  # fmt: skip
         if self.only:
-            items = [i for i in items if i.key in self.only]
-        return items
+            return [i for i in items if i.key in self.only]
+        return [i for i in items if i.key not in ON_REQUEST]
 
 
 def pgqueue_systems() -> list[System]:
-    """pgqueue, and three variants for the enqueue workloads, never compared with the peers:
+    """pgqueue, a variant for long_tx whose claims always start at the beginning of the index
+    (as before issue 22: what starting where the last claim ended is worth), and three variants
+    for the enqueue workloads, never compared with the peers:
     with a worker waiting for work (so every commit notifies, what NOTIFY costs concurrent
     producers), with the NOTIFY trigger off, and with every job unique (``unique=True``, every
     key new: what the unique path costs). In the plain run no worker waits, as when every
@@ -226,6 +258,14 @@ def pgqueue_systems() -> list[System]:
             argv=argv,
             after_install=["ALTER TABLE pgqueue_jobs DISABLE TRIGGER pgqueue_jobs_notify_ready"],
             workloads={"enqueue_1", "enqueue_4"},
+        ),
+        System(
+            key="pgqueue-from-start",
+            label="pgqueue, claims from the start",
+            family="pgqueue",
+            argv=argv,
+            env={"PGQUEUE_BENCH_FROM_START": "1"},
+            workloads={"long_tx"},
         ),
         System(
             key="pgqueue-unique",
@@ -347,7 +387,9 @@ class Results:
             "medians": medians,
             "runs": self.runs,
             "ceiling": self.ceiling,
-        }
+            "long_tx": {name: getattr(self.plan, f"long_tx_{name}")
+                        for name in ("rate", "clean", "hold", "recovery")},
+        }  # fmt: skip
 
 
 def _applies(workload: Workload, system: System) -> bool:
@@ -517,6 +559,9 @@ def load(path: Path, systems: list[System]) -> Results:
     """A saved ``--save`` report, for rendering again without running."""
     data = json.loads(path.read_text())
     plan = Plan.make(bool(data["quick"]), int(data["repetitions"]))
+    plan.only = set(data["runs"])  # on-request workloads too, when the report has them
+    for name, value in data.get("long_tx", {}).items():
+        setattr(plan, f"long_tx_{name}", value)
     known = {s.key: s for s in systems}
     chosen = [known[key] for key in data["systems"] if key in known]
     for system in chosen:

@@ -564,3 +564,127 @@ def ceiling(ctx: Context, clients: int, seconds: int, batch: int) -> dict[str, f
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+#: The long transaction of ``long_tx``: a snapshot taken and kept (REPEATABLE READ: READ
+#: COMMITTED drops its snapshot between statements), over a catalog so that it locks none of
+#: the system's tables, then left idle, as a report or a forgotten session would.
+HOLD_SNAPSHOT = (
+    b"BEGIN ISOLATION LEVEL REPEATABLE READ",
+    b"SELECT count(*) FROM pg_class",
+)
+#: The backlog is counted at each report of the producer (every 0.5 s), but no sooner than this
+#: many times the last count took: while the snapshot is held, a count walks the same dead
+#: entries as a claim does, and every 0.5 s it would take a core from the system under test.
+COUNT_SHARE = 10.0
+
+
+def _pickup_percentiles(
+    histograms: list[dict[str, dict[str, int]]], start: float, end: float
+) -> tuple[float | None, float | None]:
+    """p50 and p99 pickup (seconds) of the jobs enqueued in [start, end), from the workers'
+    histograms (driver.pickup_bin: 5 % bins, so to within 5 %)."""
+    from .driver import bin_seconds
+
+    counts: dict[int, int] = {}
+    for histogram in histograms:
+        for second, bins in histogram.items():
+            if start <= int(second) < end:
+                for key, n in bins.items():
+                    counts[int(key)] = counts.get(int(key), 0) + n
+    total = sum(counts.values())
+    if not total:
+        return None, None
+    result = []
+    for q in (0.50, 0.99):
+        seen = 0
+        for bin_index in sorted(counts):
+            seen += counts[bin_index]
+            if seen >= q * total:
+                result.append(bin_seconds(bin_index))
+                break
+    return result[0], result[1]
+
+
+async def long_tx(
+    ctx: Context,
+    system: System,
+    rate: float,
+    clean: float,
+    hold: float,
+    recovery: float,
+    concurrency: int,
+) -> dict[str, float | None]:
+    """Producers at ``rate`` jobs/s and one worker for ``clean`` seconds, then for ``hold``
+    seconds while another session holds a snapshot (vacuum can remove nothing newer), then
+    ``recovery`` seconds after it ended. Per phase: jobs/s offered and completed, and pickup
+    p50/p99 of the jobs enqueued in it (producer's call to handler start); the backlog when the
+    transaction ends, and the seconds from then until the backlog is back to the clean phase's
+    (None: not within the recovery phase)."""
+    from contextlib import AsyncExitStack
+
+    args = ["--concurrency", str(concurrency), "--pickups"]
+    duration = clean + hold + recovery
+    with ctx.databases.fresh() as dsn:
+        await _install(ctx, system, dsn)
+        async with AsyncExitStack() as stack:
+            (worker,) = await _start_workers(ctx, system, dsn, 1, args, stack)
+            await worker.send("go")
+            await asyncio.sleep(1.0)
+            producer = await stack.enter_async_context(
+                adapter(system, "produce", dsn,
+                        ["--rate", str(rate), "--duration", str(duration), "--stamp"], ctx.logdir)
+            )  # fmt: skip
+            began = time.time()
+            held_from, held_to = began + clean, began + clean + hold
+            samples: list[tuple[float, int, int]] = []  # (t, produced, left)
+            holder = psycopg.connect(dsn, autocommit=True)
+            stack.callback(holder.close)
+            holding = released = False
+            count_at = 0.0
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                while True:
+                    line = await producer.next(timeout=duration + 60)
+                    now = time.time()
+                    boundary = bool(line.get("done"))  # each phase's ends are counted
+                    if not holding and now >= held_from:
+                        for statement in HOLD_SNAPSHOT:
+                            holder.execute(statement)
+                        holding, held_from, boundary = True, now, True
+                    if holding and not released and now >= held_to:
+                        holder.execute(b"COMMIT")
+                        released, held_to, boundary = True, now, True
+                    if boundary or now >= count_at:
+                        took = time.perf_counter()
+                        row = conn.execute(system.remaining_sql.encode()).fetchone()
+                        took = time.perf_counter() - took
+                        assert row is not None
+                        samples.append((now, int(line["produced"]), int(row[0])))
+                        count_at = now + COUNT_SHARE * took
+                    if line.get("done"):
+                        break
+            await producer.finish()
+            (result,) = await _stop_workers([worker])
+    if not released:
+        raise RuntimeError(f"{system.label}: the producer ended before the hold did")
+    histograms = [result.get("pickups", {})]
+    phases = {"clean": (began, held_from), "held": (held_from, held_to),
+              "recovery": (held_to, samples[-1][0])}  # fmt: skip
+    out: dict[str, float | None] = {"offered": rate, "hold_s": held_to - held_from}
+    for name, (start, end) in phases.items():
+        part = [s for s in samples if start <= s[0] <= end]
+        if len(part) >= 2:
+            (t0, p0, l0), (t1, p1, l1) = part[0], part[-1]
+            out[f"{name}_offered"] = (p1 - p0) / (t1 - t0)
+            out[f"{name}_done"] = ((p1 - l1) - (p0 - l0)) / (t1 - t0)
+        else:
+            out[f"{name}_offered"] = out[f"{name}_done"] = None
+        p50, p99 = _pickup_percentiles(histograms, start, end)
+        out[f"{name}_p50"], out[f"{name}_p99"] = p50, p99
+    held = [s for s in samples if s[0] <= held_to]
+    out["held_backlog"] = float(held[-1][2]) if held else None
+    usual = max([s[2] for s in samples if s[0] < phases["clean"][1]] or [0])
+    drained = next((s[0] for s in samples if s[0] > held_to and s[2] <= max(usual, 100)), None)
+    out["drain_s"] = None if drained is None else drained - held_to
+    out["recovery_backlog"] = float(samples[-1][2])
+    return out

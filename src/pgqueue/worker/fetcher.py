@@ -21,6 +21,14 @@ higher than the due ones'; the fetcher claims with ``claim_jobs_by_priority`` in
 claim, and at least every ``DELAYED_CHECK`` seconds while busy). Both statements return the same
 jobs; only their cost differs.
 
+A long transaction elsewhere (a snapshot held open) stops vacuum, and a claim that reads the ready
+index from its start then walks every job claimed since that snapshot began. Once a claim from the
+start takes ``SLOW_CLAIM`` seconds, the fetcher claims from where its last claim ended
+(``claim_jobs_after``: the same jobs, in the same order, but for a job of that priority that
+became ready behind that point), and from the start again at least every ``BOUND_RESET`` seconds
+(longer when a claim from the start costs more: ``BOUND_RESET_RATIO``), which is how long such a
+job can wait for its turn. ``horizon.HorizonWatch`` names the transaction in the log.
+
 A job whose task this worker does not know (an older worker during a rolling deploy) is handed
 back at once without counting the attempt, and from then on the worker claims only its own tasks:
 such jobs wait, untouched, for a worker that knows them.
@@ -49,6 +57,7 @@ import psycopg
 from ..limits import group_name
 from ..sql import Queries
 from .connections import Connections
+from .horizon import HorizonWatch
 from .state import ClaimedJob, WorkerState, pause, round_failed
 
 log = logging.getLogger("pgqueue.worker.fetcher")
@@ -76,6 +85,16 @@ LIMIT_BUSY_RETRY = 0.01
 #: (see claim_round): jobs of the other kind enqueued meanwhile wake nobody (no worker waits),
 #: so this bounds their wait; each look costs a claim (the plain one reads past limited jobs).
 DRY_FOR = 0.05
+#: A claim from the start of the ready index this slow (seconds) makes the next claims start
+#: where the last one ended (claim_jobs_after). A plain claim takes well under a millisecond.
+SLOW_CLAIM = 0.02
+#: Claims start where the last ended for at most this long (seconds) before one starts from the
+#: beginning again, so a job that became ready behind that point (released, reaped, a past
+#: run_at, a resumed queue) waits at most about this long while a backlog lasts; and for at least
+#: BOUND_RESET_RATIO times what the last claim from the start took, so that those claims, slow
+#: while vacuum is held back, take a small share of the claim loop's time.
+BOUND_RESET = 1.0
+BOUND_RESET_RATIO = 20.0
 #: Added to the time since the last claim when asking next_ready_at for jobs that fell due
 #: after it: the two statements' own delays on the way to the server.
 LOOKBACK_MARGIN = 0.05
@@ -115,8 +134,11 @@ class Fetcher:
         self.by_priority = (
             q.claim_jobs_by_priority if queues is None else q.claim_jobs_by_priority_in_queues
         )
+        self.after = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
         self.next_ready = q.next_ready_at if queues is None else q.next_ready_at_in_queues
         self.claims = 0
+        #: Claims that started where the last one ended (claim_jobs_after).
+        self.claims_after = 0
         self._window_started = 0.0
         self._window_finished = 0
         self._recent = 0  # handlers finished in the last complete window
@@ -149,6 +171,13 @@ class Fetcher:
         self._busy_retry = LIMIT_BUSY_RETRY
         #: The worker's own tasks (the limited claim only takes those: no hand-backs).
         self._task_names = sorted(tasks)
+        #: Where the last claim ended (priority, run_at as text, id): claim_jobs_after's start.
+        self.bound: tuple[int, str, int] | None = None
+        #: What the last claim from the start of the index took (seconds), and when it was sent.
+        self._from_start_took = 0.0
+        self._from_start_at = -math.inf
+        self.horizon = HorizonWatch(pool, q)
+        self._horizon_look: asyncio.Task[None] | None = None
 
     def buffer_target(self, now: float) -> int:
         """How many jobs to keep prefetched: what finished in the last window, capped."""
@@ -323,6 +352,24 @@ class Fetcher:
             for job_id, queue, task, args, attempt, max_attempts, pickup, _, meta in rows
         ]
 
+    def _bound_period(self) -> float:
+        """How long claims start where the last ended before one starts from the beginning."""
+        return max(BOUND_RESET, self._from_start_took * BOUND_RESET_RATIO)
+
+    def _claim_after_bound(self, now: float) -> bool:
+        """Whether this claim starts where the last one ended (see the module docstring)."""
+        if self.bound is None or self._from_start_took < SLOW_CLAIM:
+            return False
+        return now - self._from_start_at < self._bound_period()
+
+    def _look_after_short_claim(self, now: float) -> bool:
+        """Whether to ask next_ready_at after a short claim: always, but while claims start
+        where the last ended only once per period. Its walk over the priorities reads each
+        priority's first visible entry, past the same dead entries as a claim from the start;
+        a job that falls due meanwhile is after the bound and taken by the next claim (a
+        notification or the poll), as its run_at is later than any claimed job's."""
+        return not self._claim_after_bound(now) or now - self._checked >= self._bound_period()
+
     async def claim(self, limit: int) -> list[ClaimedJob]:
         token = uuid4()  # this claim's lease token (see claim_jobs)
         params: dict[str, Any] = {
@@ -333,10 +380,32 @@ class Fetcher:
         }
         if self.queues is not None:
             params["queues"] = self.queues
+        loop = asyncio.get_running_loop()
+        after = self._claim_after_bound(loop.time())
+        if after:
+            assert self.bound is not None
+            params["after_priority"], params["after_run_at"], params["after_id"] = self.bound
+            statement = self.after
+            self.claims_after += 1
+        else:
+            statement = self.by_priority if self.delayed else self.plain
         async with self.pool.connection() as conn:
-            self._claim_sent = asyncio.get_running_loop().time()
-            cur = await conn.execute(self.by_priority if self.delayed else self.plain, params)
+            self._claim_sent = sent = loop.time()
+            cur = await conn.execute(statement, params)
             rows = await cur.fetchall()
+            if after:
+                if rows:
+                    last = rows[-1]
+                    self.bound = (last[8], last[9], last[0])
+                rows = [row[:8] for row in rows]
+            else:
+                self._from_start_at, self._from_start_took = sent, loop.time() - sent
+                if rows and self._from_start_took >= SLOW_CLAIM:
+                    # The next claims start here: where this one ended, in claim order.
+                    where = await conn.execute(self.q.claim_position, {"id": rows[-1][0]})
+                    position = await where.fetchone()
+                    if position is not None:
+                        self.bound = (position[0], position[1], rows[-1][0])
             jobs = [
                 ClaimedJob(
                     job_id,
@@ -354,6 +423,14 @@ class Fetcher:
             if not self.tasks.keys() >= {job.task for job in jobs}:
                 jobs = await self._hand_back_unknown(conn, jobs)
         self.claims += 1
+        if not after:
+            if self._from_start_took < SLOW_CLAIM:
+                self.horizon.claims_fast()
+            elif self._horizon_look is None or self._horizon_look.done():
+                # Off the claim path: the jobs just claimed start without waiting for it.
+                self._horizon_look = asyncio.create_task(
+                    self.horizon.claims_slow(self._from_start_took, loop.time())
+                )
         return jobs
 
     async def _hand_back_unknown(
@@ -415,6 +492,13 @@ class Fetcher:
             self.state.wakeup.set()  # recompute the wait
 
     async def run(self, stopping: asyncio.Event) -> None:
+        try:
+            await self._run(stopping)
+        finally:
+            if self._horizon_look is not None and not self._horizon_look.done():
+                self._horizon_look.cancel()  # a diagnosis: not worth delaying a shutdown
+
+    async def _run(self, stopping: asyncio.Event) -> None:
         state = self.state
         maybe_more = True
         loop = asyncio.get_running_loop()
@@ -428,7 +512,8 @@ class Fetcher:
                 self._refresh()
             want = self.wanted(now)
             if want and (maybe_more or self._notified):
-                if maybe_more and now - self._checked >= DELAYED_CHECK:
+                every = self._bound_period() if self._claim_after_bound(now) else DELAYED_CHECK
+                if maybe_more and now - self._checked >= every:
                     # Busy (or starting): an idle worker looks after each short claim instead,
                     # off the path of the job that woke it.
                     await self._learn_next_due(loop)
@@ -455,7 +540,7 @@ class Fetcher:
                 # A short claim: the queue is drained and the fetcher will wait, so producers
                 # should notify (see notifier). A full one: it claims again on its own.
                 self.on_waiting(not maybe_more)
-                if not maybe_more:
+                if not maybe_more and self._look_after_short_claim(loop.time()):
                     # The jobs just claimed start first (their slots run at this yield).
                     await asyncio.sleep(0)
                     await self._learn_next_due(loop)
