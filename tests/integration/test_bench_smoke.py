@@ -142,7 +142,7 @@ def test_bench_long_tx_reports_each_phase_and_runs_only_when_asked(
     # pgqueue, and pgqueue with claims always from the start of the index (as before issue 22).
     assert set(report["runs"]["long_tx"]) == {"pgqueue", "pgqueue-from-start"}
     (run,) = report["runs"]["long_tx"]["pgqueue"]
-    assert run["held_done"] > 0 and 3.5 <= run["hold_s"] <= 6
+    assert run["held_done"] > 0 and 4 <= run["hold_s"] <= 8
     for phase in ("clean", "held", "recovery"):
         assert run[f"{phase}_offered"] > 0
         assert 0 < run[f"{phase}_p50"] <= run[f"{phase}_p99"]

@@ -218,7 +218,7 @@ async def test_a_slow_claim_names_the_transaction_holding_back_vacuum_once(
         # The transaction ends and claims from the start are fast again: one line says so.
         snapshot.execute("COMMIT")
         snapshot.execute("BEGIN")  # the fixture's COMMIT ends this one
-        monkeypatch.setattr(fetcher, "SLOW_CLAIM", 0.0)
+        monkeypatch.setattr(fetcher, "SLOW_CLAIM", float("inf"))
         app.enqueue("noop", {"n": 0})
         await wait_until_async(lambda: lines("claims are fast again"), timeout=30)
         await wait_until_async(lambda: statuses(conn) == {"succeeded": 151})

@@ -650,7 +650,9 @@ async def long_tx(
                     if not holding and now >= held_from:
                         for statement in HOLD_SNAPSHOT:
                             holder.execute(statement)
+                        # Held for ``hold`` seconds from when it began, however late that was.
                         holding, held_from, boundary = True, now, True
+                        held_to = now + hold
                     if holding and not released and now >= held_to:
                         holder.execute(b"COMMIT")
                         released, held_to, boundary = True, now, True
