@@ -45,13 +45,22 @@ LANES = ("claims", "acks", "maintenance")
 DEFAULT_CONNECTIONS = len(LANES) + 1
 #: Seconds an extra connection (beyond the first) is kept idle before it is closed.
 MAX_IDLE = 10.0
-#: Seconds without trying to grow after a connection could not be opened.
+#: Seconds without trying to grow after the server refused a connection for want of slots
+#: (53300), and after any other failure to connect (a server starting up, say).
 GROWTH_PAUSE = 30.0
+GROWTH_PAUSE_OTHER = 1.0
 #: Seconds a lane waits for a connection before its round fails (PoolTimeout, retried).
 WAIT_TIMEOUT = 10.0
 #: The part of what ``max_connections`` leaves non-superusers that a fleet of workers takes at
 #: most, together: the rest stays for producers, the dashboard and an operator's psql.
 FLEET_FRACTION = 0.8
+
+
+class ConnectFailed(PoolTimeout):
+    """No connection could be opened and the worker holds none (the message says why). A
+    PoolTimeout, as psycopg_pool raises when it cannot hand out a connection: every service
+    treats it as a round that failed for want of the database (the completer keeps the batch
+    and retries it), never as a statement the database refused."""
 
 
 class Connections(Protocol):
@@ -195,8 +204,10 @@ class WorkerPool:
                 conn = await psycopg.AsyncConnection.connect(self.dsn, **self.kwargs)
             except BaseException as exc:
                 self._open -= 1
-                if self._open == 0 or not isinstance(exc, Exception):
-                    raise  # nothing to wait for: the round fails and is retried
+                if not isinstance(exc, Exception):
+                    raise
+                if self._open == 0:  # nothing to wait for: the round fails and is retried
+                    raise ConnectFailed(str(exc).strip()) from exc
                 self._growth_failed(exc, "one more connection")
             else:
                 self._connected()
@@ -268,17 +279,15 @@ class WorkerPool:
             self._discard(self._idle.pop(0)[1])
 
     def _growth_failed(self, exc: BaseException, what: str) -> None:
-        self._no_growth_until = time.monotonic() + GROWTH_PAUSE
+        full = too_many_connections(exc)
+        pause = GROWTH_PAUSE if full else GROWTH_PAUSE_OTHER
+        self._no_growth_until = time.monotonic() + pause
         if not self._refused:
             self._refused = True
-            reason = (
-                "too many connections (53300)"
-                if too_many_connections(exc)
-                else str(exc).strip().splitlines()[0]
-            )
+            reason = "too many connections (53300)" if full else str(exc).strip().splitlines()[0]
             log.warning(
                 "could not open %s (%s): working on with the %d the worker holds, trying again "
-                "in %g s", what, reason, self._open, GROWTH_PAUSE,
+                "in %g s", what, reason, self._open, pause,
             )  # fmt: skip
 
     def _connected(self) -> None:
