@@ -3,8 +3,10 @@
 A worker needs one connection to do everything (claims, acks, heartbeats, maintenance) and
 runs best with one per lane, so that an ack never waits behind a claim or a reaper round:
 
-- ``claims`` (the fetcher), ``acks`` (the completer) and ``maintenance`` (heartbeat, reaper,
-  scheduler, statistics, wake-ups), each using at most one connection at a time;
+- ``claims`` (the fetcher), ``acks`` (the completer), ``heartbeat`` and ``maintenance`` (reaper,
+  scheduler, statistics, wake-ups), each using at most one connection at a time; when they
+  share, the heartbeat takes the first connection that comes free, ahead of the others, so a
+  lease is extended in time whatever the other lanes do;
 - the LISTEN connection, the first extra (``reserve_listen``): without it the worker polls.
 
 The pool connects in the caller when a lane finds no idle connection and the budget allows one
@@ -41,7 +43,7 @@ log = logging.getLogger("pgqueue.worker.connections")
 AsyncConn = psycopg.AsyncConnection[Any]
 
 #: The lanes, each using at most one connection at a time; with LISTEN, the most a worker holds.
-LANES = ("claims", "acks", "maintenance")
+LANES = ("claims", "acks", "heartbeat", "maintenance")
 DEFAULT_CONNECTIONS = len(LANES) + 1
 #: Seconds an extra connection (beyond the first) is kept idle before it is closed.
 MAX_IDLE = 10.0
@@ -182,13 +184,13 @@ class WorkerPool:
     async def connection(self, lane: str = "maintenance") -> AsyncIterator[AsyncConn]:
         """A connection for one statement or transaction of ``lane``."""
         async with self._locks[lane]:
-            conn = await self._take()
+            conn = await self._take(lane == "heartbeat")
             try:
                 yield conn
             finally:
                 self._give_back(conn)
 
-    async def _take(self) -> AsyncConn:
+    async def _take(self, first: bool = False) -> AsyncConn:
         if self.closed:
             raise PoolTimeout("the worker's connections are closed")
         self._expire_idle()
@@ -212,11 +214,14 @@ class WorkerPool:
             else:
                 self._connected()
                 return conn
-        return await self._wait()
+        return await self._wait(first)
 
-    async def _wait(self) -> AsyncConn:
+    async def _wait(self, first: bool) -> AsyncConn:
         waiter: asyncio.Future[AsyncConn | None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        if first:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
         try:
             await asyncio.wait({waiter}, timeout=WAIT_TIMEOUT)
         except BaseException:
@@ -234,7 +239,7 @@ class WorkerPool:
             )
         conn = waiter.result()
         if conn is None:  # a connection went away: room to open one now
-            return await self._take()
+            return await self._take(first)
         return conn
 
     def _forget(self, waiter: asyncio.Future[AsyncConn | None]) -> None:

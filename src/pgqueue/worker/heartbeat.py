@@ -1,6 +1,7 @@
-"""Keeps the worker's lease alive: one statement per interval, whatever the worker holds, on the
-maintenance lane of the worker's connections (where it waits at most for one short statement of
-the reaper, the scheduler or the statistics; never behind a claim or an ack). Each beat also
+"""Keeps the worker's lease alive: one statement per interval, whatever the worker holds, on a
+lane of its own of the worker's connections (its own connection unless the budget is tight;
+then the first one that comes free, ahead of the other lanes: it waits for one short statement
+at most). Each beat also
 counts the live workers, from which the worker's connection budget and the spacing of the
 fleet-wide chores follow (``connections.share``, ``state.spread``).
 

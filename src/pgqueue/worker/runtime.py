@@ -86,8 +86,8 @@ class Worker:
     - ``reaper_interval``: how often expired leases are looked for (default the heartbeat
       interval); ``retention``: seconds succeeded/cancelled jobs are kept (default one day,
       None keeps them);
-    - ``connections``: the most connections the worker holds for its own work (default 4: one
-      each for claims, acks and maintenance, and one for LISTEN; at least 1, which then does
+    - ``connections``: the most connections the worker holds for its own work (default 5: one
+      each for claims, acks, heartbeats and maintenance, and one for LISTEN; at least 1, which then does
       everything and the worker polls). A fleet that would not fit the server's
       ``max_connections`` gets less per worker (see ``pgqueue.worker.connections`` and the
       "Fleet of workers" page);
@@ -293,7 +293,7 @@ class Worker:
             schema=self.app.schema,
         )
         self.heartbeat = Heartbeat(
-            pool.lane("maintenance"),
+            pool.lane("heartbeat"),
             q,
             state,
             worker_id=self.id,
