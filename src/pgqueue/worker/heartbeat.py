@@ -193,7 +193,6 @@ class Heartbeat:
         if sent_at - self._untracked_at >= UNTRACKED_EVERY:
             self._untracked_at = sent_at
             await self._look_for_untracked(conn, held)
-        await self.look_at_fleet(conn)
 
     async def _look_for_untracked(
         self, conn: psycopg.AsyncConnection[Any], held: list[Held]
@@ -237,6 +236,13 @@ class Heartbeat:
                 await asyncio.wait_for(self.beat(), self.interval)
             except Exception as exc:
                 round_failed(log, "heartbeat", exc)
+            else:
+                # After the beat, not in it: the lease never waits for this count.
+                try:
+                    async with self.pool.connection() as conn:
+                        await asyncio.wait_for(self.look_at_fleet(conn), self.interval)
+                except Exception as exc:
+                    log.debug("could not count the fleet (%s); the next beat will", exc)
             await pause(stopping, self.interval)
 
     async def close(self) -> None:
