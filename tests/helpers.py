@@ -156,7 +156,11 @@ class WorkerProcesses:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, *args: str, env: dict[str, str] | None = None, nice: int = 0
+    ) -> subprocess.Popen[bytes]:
+        """One more worker; ``nice`` lowers its CPU priority (a test starting dozens keeps
+        them from starving the processes of a test running beside it)."""
         environment = {
             **os.environ,
             "PGQUEUE_DSN": self.dsn,
@@ -168,7 +172,8 @@ class WorkerProcesses:
         self.logs.append(log)
         with log.open("wb") as stderr:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pgqueue.cli", "worker", "--app", self.app,
+                [*(["nice", "-n", str(nice)] if nice else []),  # nice execs: same pid
+                 sys.executable, "-m", "pgqueue.cli", "worker", "--app", self.app,
                  "--log-level", "WARNING", *args],
                 cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=stderr,
             )  # fmt: skip

@@ -779,9 +779,9 @@ def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
 @click.option(
     "--connections",
     type=click.IntRange(min=1),
-    default=4,
+    default=5,
     show_default=True,
-    help="Most connections the worker holds for claims, acks, maintenance and LISTEN (fewer "
+    help="Most connections the worker holds for claims, acks, heartbeats, maintenance and LISTEN (fewer "
     "when a fleet would not fit max_connections; 1: one does it all, and the worker polls).",
 )
 @click.option(

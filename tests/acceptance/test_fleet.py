@@ -27,6 +27,9 @@ pytestmark = [pytest.mark.acceptance, pytest.mark.slow]
 
 APP = "tests.acceptance.fleet_app:app"
 WORKERS = 50
+#: The fleet's CPU priority: 50 processes at the default would starve the workers of a test that
+#: runs beside this one (pytest -n 2) past its deadlines.
+NICE = 15
 Conn = psycopg.Connection[tuple[Any, ...]]
 #: Each worker: 2 jobs at once, polling twice a second when it has no LISTEN connection.
 WORKER_ARGS = ("--concurrency", "2", "--poll-interval", "0.5", "--grace-period", "30")
@@ -112,7 +115,7 @@ def test_fifty_workers_fit_default_max_connections_claim_fairly_and_survive_a_ro
 
 
 def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses, sampler: Sampler) -> None:
-    first = [procs.start(*WORKER_ARGS) for _ in range(WORKERS)]
+    first = [procs.start(*WORKER_ARGS, nice=NICE) for _ in range(WORKERS)]
     # All start: registered, none exited (a worker refused a connection waits for one).
     wait_until(
         lambda: (
@@ -166,7 +169,7 @@ def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses, sampler: Sam
                     codes.append(proc.wait(60))
                 except subprocess.TimeoutExpired:
                     codes.append(None)
-            replacements += [procs.start(*WORKER_ARGS) for _ in batch]
+            replacements += [procs.start(*WORKER_ARGS, nice=NICE) for _ in batch]
     finally:
         stop_feeding.set()
         feeder.join(10)

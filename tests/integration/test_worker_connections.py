@@ -15,7 +15,7 @@ import pytest
 from psycopg import conninfo, sql
 
 import pgqueue
-from pgqueue.worker.connections import budget, share
+from pgqueue.worker.connections import WorkerPool, budget, share
 from tests.helpers import running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -76,8 +76,8 @@ async def test_a_worker_holds_at_most_its_connections_whatever_its_concurrency(
         while succeeded(conn) < 600:
             seen = max(seen, worker_backends(conn))
             await asyncio.sleep(0.02)
-        assert worker.pool.peak <= 4
-    assert 1 <= seen <= 4  # one each for claims, acks and maintenance, and LISTEN
+        assert worker.pool.peak <= 5
+    assert 1 <= seen <= 5  # one each for claims, acks, heartbeats and maintenance, and LISTEN
 
 
 async def test_a_worker_allowed_one_connection_by_the_server_polls_and_works(
@@ -193,3 +193,27 @@ async def test_handlers_that_enqueue_use_at_most_the_apps_pool_size(dsn: str, co
     finally:
         app.close()
     assert 1 <= seen <= 4  # 2 for the sync handlers' enqueues, 2 for the worker loop's
+
+
+async def test_the_heartbeat_gets_the_next_free_connection_before_other_lanes(dsn: str) -> None:
+    """With one connection for every lane, a heartbeat that asks after a claim is served
+    first: a lease must not wait behind a queue of other work."""
+    pool = WorkerPool(dsn, {"autocommit": True}, size=1)
+    order: list[str] = []
+
+    async def use(lane: str) -> None:
+        async with pool.connection(lane) as conn:
+            order.append(lane)
+            await conn.execute("SELECT 1")
+
+    try:
+        async with pool.connection("maintenance"):
+            claims = asyncio.create_task(use("claims"))
+            await wait_until_async(lambda: len(pool._waiters) == 1)
+            heartbeat = asyncio.create_task(use("heartbeat"))
+            await wait_until_async(lambda: len(pool._waiters) == 2)
+        await asyncio.gather(claims, heartbeat)
+        assert order == ["heartbeat", "claims"]
+        assert pool.peak == 1
+    finally:
+        await pool.close()

@@ -3,8 +3,10 @@
 A worker needs one connection to do everything (claims, acks, heartbeats, maintenance) and
 runs best with one per lane, so that an ack never waits behind a claim or a reaper round:
 
-- ``claims`` (the fetcher), ``acks`` (the completer) and ``maintenance`` (heartbeat, reaper,
-  scheduler, statistics, wake-ups), each using at most one connection at a time;
+- ``claims`` (the fetcher), ``acks`` (the completer), ``heartbeat`` and ``maintenance`` (reaper,
+  scheduler, statistics, wake-ups), each using at most one connection at a time; when they
+  share, the heartbeat takes the first connection that comes free, ahead of the others, so a
+  lease is extended in time whatever the other lanes do;
 - the LISTEN connection, the first extra (``reserve_listen``): without it the worker polls.
 
 The pool connects in the caller when a lane finds no idle connection and the budget allows one
@@ -41,17 +43,26 @@ log = logging.getLogger("pgqueue.worker.connections")
 AsyncConn = psycopg.AsyncConnection[Any]
 
 #: The lanes, each using at most one connection at a time; with LISTEN, the most a worker holds.
-LANES = ("claims", "acks", "maintenance")
+LANES = ("claims", "acks", "heartbeat", "maintenance")
 DEFAULT_CONNECTIONS = len(LANES) + 1
 #: Seconds an extra connection (beyond the first) is kept idle before it is closed.
 MAX_IDLE = 10.0
-#: Seconds without trying to grow after a connection could not be opened.
+#: Seconds without trying to grow after the server refused a connection for want of slots
+#: (53300), and after any other failure to connect (a server starting up, say).
 GROWTH_PAUSE = 30.0
+GROWTH_PAUSE_OTHER = 1.0
 #: Seconds a lane waits for a connection before its round fails (PoolTimeout, retried).
 WAIT_TIMEOUT = 10.0
 #: The part of what ``max_connections`` leaves non-superusers that a fleet of workers takes at
 #: most, together: the rest stays for producers, the dashboard and an operator's psql.
 FLEET_FRACTION = 0.8
+
+
+class ConnectFailed(PoolTimeout):
+    """No connection could be opened and the worker holds none (the message says why). A
+    PoolTimeout, as psycopg_pool raises when it cannot hand out a connection: every service
+    treats it as a round that failed for want of the database (the completer keeps the batch
+    and retries it), never as a statement the database refused."""
 
 
 class Connections(Protocol):
@@ -173,13 +184,13 @@ class WorkerPool:
     async def connection(self, lane: str = "maintenance") -> AsyncIterator[AsyncConn]:
         """A connection for one statement or transaction of ``lane``."""
         async with self._locks[lane]:
-            conn = await self._take()
+            conn = await self._take(lane == "heartbeat")
             try:
                 yield conn
             finally:
                 self._give_back(conn)
 
-    async def _take(self) -> AsyncConn:
+    async def _take(self, first: bool = False) -> AsyncConn:
         if self.closed:
             raise PoolTimeout("the worker's connections are closed")
         self._expire_idle()
@@ -195,17 +206,22 @@ class WorkerPool:
                 conn = await psycopg.AsyncConnection.connect(self.dsn, **self.kwargs)
             except BaseException as exc:
                 self._open -= 1
-                if self._open == 0 or not isinstance(exc, Exception):
-                    raise  # nothing to wait for: the round fails and is retried
+                if not isinstance(exc, Exception):
+                    raise
+                if self._open == 0:  # nothing to wait for: the round fails and is retried
+                    raise ConnectFailed(str(exc).strip()) from exc
                 self._growth_failed(exc, "one more connection")
             else:
                 self._connected()
                 return conn
-        return await self._wait()
+        return await self._wait(first)
 
-    async def _wait(self) -> AsyncConn:
+    async def _wait(self, first: bool) -> AsyncConn:
         waiter: asyncio.Future[AsyncConn | None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        if first:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
         try:
             await asyncio.wait({waiter}, timeout=WAIT_TIMEOUT)
         except BaseException:
@@ -223,7 +239,7 @@ class WorkerPool:
             )
         conn = waiter.result()
         if conn is None:  # a connection went away: room to open one now
-            return await self._take()
+            return await self._take(first)
         return conn
 
     def _forget(self, waiter: asyncio.Future[AsyncConn | None]) -> None:
@@ -268,17 +284,15 @@ class WorkerPool:
             self._discard(self._idle.pop(0)[1])
 
     def _growth_failed(self, exc: BaseException, what: str) -> None:
-        self._no_growth_until = time.monotonic() + GROWTH_PAUSE
+        full = too_many_connections(exc)
+        pause = GROWTH_PAUSE if full else GROWTH_PAUSE_OTHER
+        self._no_growth_until = time.monotonic() + pause
         if not self._refused:
             self._refused = True
-            reason = (
-                "too many connections (53300)"
-                if too_many_connections(exc)
-                else str(exc).strip().splitlines()[0]
-            )
+            reason = "too many connections (53300)" if full else str(exc).strip().splitlines()[0]
             log.warning(
                 "could not open %s (%s): working on with the %d the worker holds, trying again "
-                "in %g s", what, reason, self._open, GROWTH_PAUSE,
+                "in %g s", what, reason, self._open, pause,
             )  # fmt: skip
 
     def _connected(self) -> None:

@@ -1,6 +1,7 @@
-"""Keeps the worker's lease alive: one statement per interval, whatever the worker holds, on the
-maintenance lane of the worker's connections (where it waits at most for one short statement of
-the reaper, the scheduler or the statistics; never behind a claim or an ack). Each beat also
+"""Keeps the worker's lease alive: one statement per interval, whatever the worker holds, on a
+lane of its own of the worker's connections (its own connection unless the budget is tight;
+then the first one that comes free, ahead of the other lanes: it waits for one short statement
+at most). Each beat also
 counts the live workers, from which the worker's connection budget and the spacing of the
 fleet-wide chores follow (``connections.share``, ``state.spread``).
 
@@ -201,7 +202,6 @@ class Heartbeat:
             after_outage = self._look_soon > 0
             self._look_soon = max(self._look_soon - 1, 0)
             await self._look_for_untracked(conn, held, after_outage)
-        await self.look_at_fleet(conn)
 
     async def _look_for_untracked(
         self, conn: psycopg.AsyncConnection[Any], held: list[Held], after_outage: bool = False
@@ -258,6 +258,13 @@ class Heartbeat:
             except Exception as exc:
                 round_failed(log, "heartbeat", exc, self.state.outage)
                 self._look_soon = 2
+            else:
+                # After the beat, not in it: the lease never waits for this count.
+                try:
+                    async with self.pool.connection() as conn:
+                        await asyncio.wait_for(self.look_at_fleet(conn), self.interval)
+                except Exception as exc:
+                    log.debug("could not count the fleet (%s); the next beat will", exc)
             await pause(stopping, self.interval)
 
     async def close(self) -> None:

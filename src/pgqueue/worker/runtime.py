@@ -99,8 +99,8 @@ class Worker:
     - ``archive``: move finished jobs past their retention to ``pgqueue_jobs_archive`` instead
       of deleting them (default False), where they stay ``archive_retention`` seconds (default
       None: until dropped by hand), in daily partitions dropped whole;
-    - ``connections``: the most connections the worker holds for its own work (default 4: one
-      each for claims, acks and maintenance, and one for LISTEN; at least 1, which then does
+    - ``connections``: the most connections the worker holds for its own work (default 5: one
+      each for claims, acks, heartbeats and maintenance, and one for LISTEN; at least 1, which then does
       everything and the worker polls). A fleet that would not fit the server's
       ``max_connections`` gets less per worker (see ``pgqueue.worker.connections`` and the
       "Fleet of workers" page);
@@ -338,7 +338,7 @@ class Worker:
             schema=self.app.schema,
         )
         self.heartbeat = Heartbeat(
-            pool.lane("maintenance"),
+            pool.lane("heartbeat"),
             q,
             state,
             worker_id=self.id,
