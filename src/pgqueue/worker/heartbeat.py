@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -95,6 +96,8 @@ class Heartbeat:
         #: Successful beats that look for untracked jobs whatever UNTRACKED_EVERY says (after
         #: an outage: see the module docstring).
         self._look_soon = 0
+        #: The last recovery from an outage (Outage.recovered_at) that scheduled those looks.
+        self._recovery_seen = -math.inf
         self.beats = 0
 
     def extended(self, sent_at: float) -> None:
@@ -250,6 +253,13 @@ class Heartbeat:
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
+            # Any service that met an outage, not only this loop: the heartbeat's own
+            # connection may have been replaced unseen (a dead idle one is, by the pool), and
+            # a claim whose answer was lost in the outage waits under the lease until a look.
+            recovered = self.state.outage.recovered_at
+            if recovered > self._recovery_seen:
+                self._recovery_seen = recovered
+                self._look_soon = max(self._look_soon, 2)
             try:
                 # Bounded, connecting included: a blackholed connection must not stall the
                 # loop, or handlers would outlive their leases unnoticed.
