@@ -112,11 +112,8 @@ def eligible(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], row: 
 
 
 def _job_id(results: list[Any]) -> int:
-    answer = None
-    for result in results:
-        if result.status == ExecStatus.FATAL_ERROR:
-            raise errors.error_from_result(result, encoding="utf-8")
-        answer = result
+    _job_id_or_ok(results)
+    answer = results[-1] if results else None
     if answer is None or answer.status != ExecStatus.TUPLES_OK or answer.ntuples != 1:
         raise psycopg.InterfaceError("unexpected answer to the job INSERT")
     value = answer.get_value(0, 0)

@@ -62,6 +62,18 @@ def claim(conn: Conn, job_id: int, worker_id: uuid.UUID) -> None:
     )
 
 
+async def reasons_of(dsn: str, job_id: int) -> list[str]:
+    """The reason codes job_page.read gives, on a session of the dashboard's own."""
+    database = Database(dsn)
+    try:
+        async with database.session() as c:
+            job = await job_page.read(c, "public", job_id)
+    finally:
+        await database.close()
+    assert job is not None
+    return [r.code for r in job.why or ()]
+
+
 def why(client: TestClient, job_id: int) -> list[str]:
     response = client.get(f"/api/jobs/{job_id}")
     assert response.status_code == 200, response.text
@@ -373,31 +385,21 @@ async def test_the_reasons_follow_a_real_worker(dsn: str, app: pgqueue.App) -> N
     @app.task(queue="other")
     async def elsewhere() -> None: ...
 
-    async def reasons(job_id: int) -> list[str]:
-        database = Database(dsn)
-        try:
-            async with database.session() as c:
-                job = await job_page.read(c, "public", job_id)
-        finally:
-            await database.close()
-        assert job is not None
-        return [r.code for r in job.why or ()]
-
     def status(job_id: int) -> str | None:
         job = app.get_job(job_id)
         return job.status if job else None
 
     lonely = elsewhere.enqueue()
     first, second = hold.enqueue(n=1), hold.enqueue(n=2)
-    assert await reasons(second) == ["no_worker"]
+    assert await reasons_of(dsn, second) == ["no_worker"]
     async with running_worker(app, queues=["default"], concurrency=1, prefetch=0, **BEAT):
         await wait_until_async(lambda: status(first) == "running" or status(second) == "running")
         waiting = second if status(first) == "running" else first
-        assert await reasons(waiting) == ["workers_busy"]
-        assert await reasons(lonely) == ["no_worker_for_queue"]
+        assert await reasons_of(dsn, waiting) == ["workers_busy"]
+        assert await reasons_of(dsn, lonely) == ["no_worker_for_queue"]
         # Limits are obeyed by the limited claim, which the worker switches to by itself.
         app.limit_queue("default", limit=1)
-        assert await reasons(waiting) == ["queue_limit", "workers_busy"]
+        assert await reasons_of(dsn, waiting) == ["queue_limit", "workers_busy"]
         release.set()
         await wait_until_async(lambda: status(waiting) == "succeeded")
         # A job called free starts; the rate it used up is in the limited claim's log of starts
@@ -405,10 +407,10 @@ async def test_the_reasons_follow_a_real_worker(dsn: str, app: pgqueue.App) -> N
         app.limit_queue("default", limit=None, rate="1/h")
         third = hold.enqueue(n=3)
         # (No reason at all once it started: the worker can be quicker than this read.)
-        assert await reasons(third) in (["ready"], [])
+        assert await reasons_of(dsn, third) in (["ready"], [])
         await wait_until_async(lambda: status(third) == "succeeded")
         fourth = hold.enqueue(n=4)
-        assert await reasons(fourth) == ["queue_rate"]
+        assert await reasons_of(dsn, fourth) == ["queue_rate"]
 
 
 async def test_a_real_worker_records_its_tasks_and_leaves_unknown_ones_waiting(
@@ -420,22 +422,12 @@ async def test_a_real_worker_records_its_tasks_and_leaves_unknown_ones_waiting(
     @app.task
     async def known() -> None: ...
 
-    async def reasons(job_id: int) -> list[str]:
-        database = Database(dsn)
-        try:
-            async with database.session() as c:
-                job = await job_page.read(c, "public", job_id)
-        finally:
-            await database.close()
-        assert job is not None
-        return [r.code for r in job.why or ()]
-
     ghost = app.enqueue("ghost", {}, allow_unknown=True)
     async with running_worker(app, concurrency=2, **BEAT):
         done = known.enqueue()
         await wait_until_async(
             lambda: (j := app.get_job(done)) is not None and j.status == "succeeded"
         )
-        assert await reasons(ghost) == ["unknown_task"]
+        assert await reasons_of(dsn, ghost) == ["unknown_task"]
         job = app.get_job(ghost)
         assert job is not None and job.status == "queued" and job.attempts == 0
