@@ -147,29 +147,52 @@ def test_an_open_transaction_holding_a_snapshot_is_named_then_goes(
         assert _snapshot(dsn, long_transaction=0.2)["health"]["transaction"] is None
 
 
-def test_dead_jobs_per_queue_are_recounted_only_when_the_total_moves_and_not_too_often(
+def test_past_the_cap_dead_jobs_are_counted_in_full_only_every_so_often_and_deaths_since_added(
     dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past DEAD_ALWAYS_COUNTED the count is cached for DEAD_RECOUNT_SECONDS."""
-    monkeypatch.setattr(queries, "DEAD_ALWAYS_COUNTED", 0)
-    dead = "INSERT INTO pgqueue_jobs (queue, task, status, finished_at) VALUES (%s, 't', 'dead', now())"
+    """Past DEAD_ALWAYS_COUNTED a refresh does not read every dead row: the full count is kept
+    for DEAD_RECOUNT_SECONDS and the jobs that died since are added to it at once; a job that
+    leaves the dead (requeued) leaves the figures at the next full count, and at once when the
+    dead fall back under the cap."""
+    monkeypatch.setattr(queries, "DEAD_ALWAYS_COUNTED", 1)
+    dead = (
+        "INSERT INTO pgqueue_jobs (queue, task, status, finished_at)"
+        " VALUES (%s, 't', 'dead', now()) RETURNING id"
+    )
 
-    async def go() -> list[dict[str, int]]:
+    async def go() -> list[tuple[int, dict[str, int]]]:
         database = Database(dsn)
         refresher = Refresher(database, "public")
         seen = []
+
+        async def look() -> None:
+            snap = await refresher.refresh_once()
+            seen.append((snap["problem_counts"]["dead"], _dead(snap)))
+
         try:
+            first = conn.execute(dead, ("a",)).fetchone()
             conn.execute(dead, ("a",))
-            seen.append(_dead(await refresher.refresh_once()))
+            await look()  # full count: 2 > cap
             conn.execute(dead, ("b",))
-            seen.append(_dead(await refresher.refresh_once()))  # cached: 30 s not over
+            await look()  # b died since: added without a full count
+            assert first is not None
+            conn.execute("UPDATE pgqueue_jobs SET status = 'queued' WHERE id = %s", first)
+            await look()  # requeued: still counted until the next full count
             monkeypatch.setattr(queries, "DEAD_RECOUNT_SECONDS", 0.0)
-            seen.append(_dead(await refresher.refresh_once()))
+            await look()
+            conn.execute("UPDATE pgqueue_jobs SET status = 'queued' WHERE queue = 'a'")
+            await look()  # under the cap: exact again at once
         finally:
             await database.close()
         return seen
 
-    assert asyncio.run(go()) == [{"a": 1}, {"a": 1}, {"a": 1, "b": 1}]
+    assert asyncio.run(go()) == [
+        (2, {"a": 2}),
+        (3, {"a": 2, "b": 1}),
+        (3, {"a": 2, "b": 1}),
+        (2, {"a": 1, "b": 1}),
+        (1, {"b": 1}),
+    ]
 
 
 def _dead(snap: dict[str, Any]) -> dict[str, int]:

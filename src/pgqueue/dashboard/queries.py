@@ -15,11 +15,12 @@ from . import figures
 
 LIST_LIMIT = 50
 FEED_LIMIT = 30
-#: Dead jobs per queue are recounted at most this often, and only when the dead total moved:
-#: the count reads every dead row (there is no index by queue).
+#: Past DEAD_ALWAYS_COUNTED, dead jobs are counted in full (per queue) at most this often: the
+#: count reads every dead row (there is no index by queue). In between, the jobs that died
+#: since are added; jobs requeued or pruned since leave the figures at the next full count.
 DEAD_RECOUNT_SECONDS = 30.0
-#: Up to this many dead jobs, counting them per queue costs well under a millisecond: every
-#: refresh does.
+#: Up to this many dead jobs, counting them costs well under a millisecond: every refresh
+#: counts them exactly (per queue when the total moved).
 DEAD_ALWAYS_COUNTED = 2000
 
 
@@ -67,7 +68,10 @@ class Reading:
     heads: dict[str, float] = dataclasses.field(default_factory=dict)
     #: The tasks of each queue's due heads (the first job of each priority).
     head_tasks: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: The last full count of dead jobs, kept by the refresh loop between reads.
     dead: DeadCounts | None = None
+    #: Dead jobs per queue as shown: the last full count plus the jobs that died since.
+    dead_by_queue: dict[str, int] = dataclasses.field(default_factory=dict)
     #: (pid, application_name, state, xact age, query age, query, xmin age) of the oldest
     #: transaction holding back vacuum past the threshold, if any.
     oldest_transaction: tuple[Any, ...] | None = None
@@ -76,6 +80,35 @@ class Reading:
     tuples: tuple[int, int, float | None] | None = None
     #: None on a primary; on a hot standby {"lag": seconds behind or None, "streaming": bool}.
     replica: dict[str, Any] | None = None
+
+
+async def _dead_counts(
+    conn: psycopg.AsyncConnection[Any],
+    q: dict[str, bytes],
+    now: float,
+    seen: int,
+    last: DeadCounts | None,
+) -> tuple[DeadCounts | None, DeadCounts]:
+    """(the full count to keep, the figures to show). ``seen`` is the dead total counted up to
+    DEAD_ALWAYS_COUNTED + 1: below it exact, past it a full count at most every
+    DEAD_RECOUNT_SECONDS, with the deaths since added in between, so a refresh never reads
+    100,000 dead rows."""
+    if seen <= DEAD_ALWAYS_COUNTED:
+        if last is None or last.total != seen or last.total > DEAD_ALWAYS_COUNTED:
+            by_queue = {str(r[0]): int(r[1]) for r in await _all(conn, q["dead_by_queue"])}
+            last = DeadCounts(seen, now, by_queue)
+        return last, last
+    if last is None or last.total <= DEAD_ALWAYS_COUNTED or now - last.at >= DEAD_RECOUNT_SECONDS:
+        by_queue = {str(r[0]): int(r[1]) for r in await _all(conn, q["dead_by_queue"])}
+        last = DeadCounts(sum(by_queue.values()), now, by_queue)
+        return last, last
+    since = {str(r[0]): int(r[1]) for r in await _all(conn, q["dead_since"], {"since": last.at})}
+    if not since:
+        return last, last
+    by_queue = dict(last.by_queue)
+    for queue, n in since.items():
+        by_queue[queue] = by_queue.get(queue, 0) + n
+    return last, DeadCounts(last.total + sum(since.values()), now, by_queue)
 
 
 def statements(schema: str) -> dict[str, bytes]:
@@ -134,7 +167,7 @@ async def read(
          "args": r[9], "parents": r[10], "children": r[11]}
         for r in await _all(conn, q["problems"], {"limit": LIST_LIMIT})
     ]  # fmt: skip
-    dead_total, retrying = (await _all(conn, q["problem_counts"]))[0]
+    dead_seen, retrying = (await _all(conn, q["problem_counts"], {"cap": DEAD_ALWAYS_COUNTED}))[0]
     feed = [
         {"id": r[0], "task": r[1], "queue": r[2], "event": r[3], "at": r[4], "attempt": r[5]}
         for r in await _all(conn, q["feed"], {"limit": FEED_LIMIT})
@@ -151,12 +184,7 @@ async def read(
             if (setting := settings.get(str(name))) is not None:  # past the first 1,000: none
                 setting.used = [used, room_in]
     paused = [name for name, s in settings.items() if s.paused]
-    moved = dead is None or int(dead_total) != dead.total
-    if moved and (
-        dead is None or dead_total <= DEAD_ALWAYS_COUNTED or now - dead.at >= DEAD_RECOUNT_SECONDS
-    ):
-        by_queue = {str(r[0]): int(r[1]) for r in await _all(conn, q["dead_by_queue"])}
-        dead = DeadCounts(int(dead_total), now, by_queue)
+    dead, shown = await _dead_counts(conn, q, now, int(dead_seen), dead)
     activity = (await _all(conn, q["oldest_transaction"], {"older_than": long_transaction}))[0]
     in_recovery, lag, streaming = (await _all(conn, q["replica"]))[0]
     replica = {"lag": lag, "streaming": bool(streaming)} if in_recovery else None
@@ -172,7 +200,7 @@ async def read(
         workers=workers,
         running=running,
         problems=problems,
-        problem_counts={"dead": int(dead_total), "retrying": int(retrying)},
+        problem_counts={"dead": shown.total, "retrying": int(retrying)},
         feed=feed,
         schedules=schedules,
         paused=paused,
@@ -183,6 +211,7 @@ async def read(
         heads=heads,
         head_tasks=head_tasks,
         dead=dead,
+        dead_by_queue=shown.by_queue,
         oldest_transaction=tuple(activity[1]) if activity[1] is not None else None,
         hidden_sessions=int(activity[0]),
         tuples=(int(counter[0][1]), int(counter[0][2]), counter[0][3]) if counter else None,

@@ -192,7 +192,7 @@ class Refresher:
             "depth": depth,
             "queues": figures.queue_table(
                 r.depth,
-                dead=r.dead.by_queue if r.dead else {},
+                dead=r.dead_by_queue,
                 finished=r.queue_finished,
                 pickup=r.queue_pickup,
                 heads=r.heads,
