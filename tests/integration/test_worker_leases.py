@@ -422,3 +422,48 @@ async def test_a_lost_attempt_counts_once_even_if_its_ack_is_also_refused(
 
         await wait_until_async(lambda: lost() >= 1)
     assert lost() == 1
+
+
+async def test_a_long_prune_does_not_hold_back_reaping(
+    app: pgqueue.App, conn: Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prune works through its batches for up to PRUNE_BUDGET seconds (a day of history to
+    delete). Reaping goes on beside it on the same maintenance lane, waiting for one batch at
+    most, so a crashed worker's job is claimable again within lease + reaper interval, not
+    after the prune."""
+    from pgqueue.worker import reaper as reaper_module
+    from pgqueue.worker.connections import WorkerPool
+    from pgqueue.worker.reaper import Reaper
+    from pgqueue.worker.state import WorkerState
+
+    monkeypatch.setattr(reaper_module, "PRUNE_BUDGET", 120.0)
+    history = 20_000
+    conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, status, attempts, finished_at)"
+        " SELECT 'history', 't', 'succeeded', 1, now() - interval '2 days'"
+        " FROM generate_series(1, %s)",
+        (history,),
+    )
+
+    def left() -> int:
+        found = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE queue = 'history'")
+        return int(found.fetchone()[0])  # type: ignore[index]
+
+    job_id = app.enqueue("t", {}, allow_unknown=True)
+    claim(app, conn, uuid.uuid4())
+    pool = WorkerPool(dsn, {"autocommit": True}, size=4)
+    reaper = Reaper(
+        pool.lane("maintenance"), app.q, WorkerState(concurrency=1), backoff=app.backoff,
+        interval=0.1, lease=30.0, retention=86400.0, batch=1,
+    )  # fmt: skip
+    stopping = asyncio.Event()
+    running = asyncio.create_task(reaper.run(stopping))
+    try:
+        await wait_until_async(lambda: left() < history - 50, timeout=30)  # pruning, one by one
+        expire(conn, job_id)
+        await wait_until_async(lambda: row(conn, job_id)[0] == "retrying", timeout=10)
+        assert left() > 0, "the prune ended first: the test proved nothing"
+    finally:
+        stopping.set()
+        await asyncio.wait_for(running, 30)
+        await pool.close()

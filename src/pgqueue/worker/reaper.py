@@ -10,7 +10,8 @@ fleet's size: that is what bounds recovery (a crashed worker's jobs are claimabl
 ``lease + reaper_interval``, docs/guarantees.md), and a round that finds nothing expired costs one
 scan of the running jobs' partial index. Pruning, which no guarantee times, is the fleet's: each
 worker prunes about every minute times the live workers, jittered (``spread``), so the fleet
-prunes about once a minute whatever its size. The reaping statement locks what it takes and
+prunes about once a minute whatever its size; a prune runs beside the reaping rounds, which
+wait for one of its batches at most. The reaping statement locks what it takes and
 re-checks the expired lease on the newest row version (see ``reap_expired_leases``), so two
 reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
 claimed again; it skips rows locked right now instead of waiting for them, so one stuck row
@@ -20,6 +21,7 @@ never holds up the round. Reaped jobs that will run again wake waiting workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -70,6 +72,7 @@ class Reaper:
         self.batch = batch
         self.wake = wake
         self.rounds = 0
+        self.prunes = 0
         #: Test hook: seconds to stall between finding an expired lease and updating it.
         self.pause_for_tests = 0.0
 
@@ -152,18 +155,35 @@ class Reaper:
         return max(seconds, self.interval)
 
     async def run(self, stopping: asyncio.Event) -> None:
-        while not stopping.is_set():
-            try:
-                await self.reap()
+        """Reaps every ``interval``; a prune runs beside the rounds, one at a time, so that a
+        prune's batches (up to PRUNE_BUDGET seconds of them) never hold back a reap longer
+        than one batch: recovery within ``lease + interval`` does not wait for history."""
+        pruning: asyncio.Task[None] | None = None
+        try:
+            while not stopping.is_set():
+                try:
+                    await self.reap()
+                    self.state.outage.ok()
+                except Exception as exc:
+                    round_failed(log, "reaper round", exc, self.state.outage)
                 now = time.monotonic()
-                if now >= self._prune_at:
+                if (pruning is None or pruning.done()) and now >= self._prune_at:
                     self._prune_at = now + spread(self.prune_every(), self.fleet())
-                    await self.prune()
-                self.state.outage.ok()
-            except Exception as exc:
-                round_failed(log, "reaper round", exc, self.state.outage)
-            self.rounds += 1
-            await pause(stopping, self.interval)
+                    pruning = asyncio.create_task(self._prune_round(), name="pgqueue-prune")
+                self.rounds += 1
+                await pause(stopping, self.interval)
+        finally:
+            if pruning is not None and not pruning.done():
+                pruning.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pruning
+
+    async def _prune_round(self) -> None:
+        try:
+            await self.prune()
+        except Exception as exc:
+            round_failed(log, "prune", exc, self.state.outage)
+        self.prunes += 1
 
 
 def _longer(retention: float | None, keep: float) -> float | None:
