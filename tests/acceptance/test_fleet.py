@@ -107,6 +107,10 @@ def test_fifty_workers_fit_default_max_connections_claim_fairly_and_survive_a_ro
                 f"most client connections at once: {sampler.most} (at most {sampler.most_per_worker}"
                 f" per worker); by phase: {sampler.by_phase}"
             )
+            # Once all are registered, and through the first seconds of work, the fleet leaves
+            # room for others: workers count the fleet every second while it changes, so none
+            # keeps a share taken while the fleet was still registering (that took 96-100).
+            assert sampler.by_phase["settled"] <= 90, sampler.by_phase
         finally:
             sampler.close()
             procs.stop_all(30)

@@ -3,7 +3,9 @@ lane of its own of the worker's connections (its own connection unless the budge
 then the first one that comes free, ahead of the other lanes: it waits for one short statement
 at most). Each beat also
 counts the live workers, from which the worker's connection budget and the spacing of the
-fleet-wide chores follow (``connections.share``, ``state.spread``).
+fleet-wide chores follow (``connections.share``, ``state.spread``); while that count changes
+from one look to the next (workers starting or stopping), it is taken again every
+``FLEET_SETTLE`` seconds until it holds still.
 
 One lease covers every job the worker holds (``pgqueue_workers.lease_expires_at``, migration
 0005): the heartbeat writes that one row and only reads job rows, so it never waits on a job's
@@ -55,6 +57,8 @@ _WAITING_OR_RUNNING = (Phase.PREFETCHED, Phase.RUNNING)
 
 #: Seconds between looks for jobs held in the database but not tracked (see the docstring).
 UNTRACKED_EVERY = 60.0
+#: Seconds between counts of the fleet while it changes (see run).
+FLEET_SETTLE = 1.0
 
 
 class Heartbeat:
@@ -87,6 +91,10 @@ class Heartbeat:
         #: Called with the live workers, max_connections, the slots reserved for superusers and
         #: the client connections open now.
         self.on_fleet = on_fleet
+        #: The live workers at the last count, and whether that count differed from the one
+        #: before (a worker that just started counts again soon: see run).
+        self._fleet_seen = -1
+        self.fleet_changing = True
         self._timer: asyncio.TimerHandle | None = None
         #: Jobs abandoned when the lease ran out, to expire once the database is back.
         self._abandoned: set[Key] = set()
@@ -168,7 +176,10 @@ class Heartbeat:
         cur = await conn.execute(self.q.worker_fleet)
         row = await cur.fetchone()
         if row is not None:
-            self.on_fleet(int(row[0]), int(row[1]), int(row[2]), int(row[3]))
+            workers = int(row[0])
+            self.fleet_changing = workers != self._fleet_seen
+            self._fleet_seen = workers
+            self.on_fleet(workers, int(row[1]), int(row[2]), int(row[3]))
 
     async def _beat(
         self,
@@ -270,12 +281,25 @@ class Heartbeat:
                 self._look_soon = 2
             else:
                 # After the beat, not in it: the lease never waits for this count.
-                try:
-                    async with self.pool.connection() as conn:
-                        await asyncio.wait_for(self.look_at_fleet(conn), self.interval)
-                except Exception as exc:
-                    log.debug("could not count the fleet (%s); the next beat will", exc)
-            await pause(stopping, self.interval)
+                await self._look_at_fleet_safely()
+            # While the fleet changes (workers starting or stopping), count it again every
+            # FLEET_SETTLE seconds until two counts agree, not only at the next beat: workers
+            # that start together each count a fleet still registering, and would open
+            # connections on a share too big for up to an interval.
+            beat_at = time.monotonic() + self.interval
+            while self.fleet_changing and not stopping.is_set():
+                await pause(stopping, min(FLEET_SETTLE, max(beat_at - time.monotonic(), 0.0)))
+                if time.monotonic() >= beat_at:
+                    break
+                await self._look_at_fleet_safely()
+            await pause(stopping, max(beat_at - time.monotonic(), 0.0))
+
+    async def _look_at_fleet_safely(self) -> None:
+        try:
+            async with self.pool.connection() as conn:
+                await asyncio.wait_for(self.look_at_fleet(conn), self.interval)
+        except Exception as exc:
+            log.debug("could not count the fleet (%s); the next beat will", exc)
 
     async def close(self) -> None:
         if self._timer is not None:
