@@ -618,28 +618,38 @@ class App:
         rows: list[producer.JobRow] = []
         # (task, args) pairs, the common bulk form, share their task's checked defaults: per job
         # only the arguments are checked and serialised.
-        templates: dict[str, producer.JobRow] = {}
+        # Per task: the template row, its unique rule (when the task's jobs are unique) and its
+        # limits, looked up once.
+        templates: dict[
+            str,
+            tuple[producer.JobRow, uniqueness.UniqueRule | None, TaskLimits | None],
+        ] = {}
         for index, spec in enumerate(jobs):
             if (
                 type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str
                 and not self.enqueue_hooks  # hooks see each job: the general path below
                 and not self.around_enqueue_hooks
             ):  # fmt: skip
-                template = templates.get(spec[0])
+                known = templates.get(spec[0])
                 try:
-                    if template is None:
-                        template = templates[spec[0]] = self._row(
+                    if known is None:
+                        template = self._row(
                             spec[0], None, queue=None, priority=None, max_attempts=None,
                             delay=None, run_at=None, allow_unknown=allow_unknown, grouped=False,
                         )  # fmt: skip
+                        registered = self.tasks.get(spec[0])
+                        rule = None
+                        if template.unique_key is not None:  # the task's own rule: key per job
+                            assert registered is not None
+                            rule = registered.options.unique
+                        limits = registered.limits if registered is not None else None
+                        known = templates[spec[0]] = (template, rule, limits)
+                    template, rule, limits = known
                     args = producer.serialize_args(spec[1], self.max_payload_bytes)
-                    key = None
-                    if template.unique_key is not None:  # the task's own rule: key per job
-                        rule = self.tasks[spec[0]].options.unique
-                        assert rule is not None
-                        key = uniqueness.key_for(spec[0], rule, spec[1] or {}, None, args)
-                    registered = self.tasks.get(spec[0])
-                    limits = registered.limits if registered is not None else None
+                    key = (
+                        None if rule is None
+                        else uniqueness.key_for(spec[0], rule, spec[1] or {}, None, args)
+                    )  # fmt: skip
                     group = None if limits is None else limits.group(spec[0], spec[1])
                 except (InvalidJobError, UnknownTaskError) as exc:
                     raise type(exc)(f"job #{index}: {exc}") from None

@@ -154,12 +154,13 @@ def _digest(value: Any) -> str:
 _SCALARS = (str, int, float, bool, type(None))
 
 
-def _canonical_already(args: Mapping[str, Any], args_json: str | None) -> bool:
+_sha256 = hashlib.sha256
+
+
+def _canonical_already(args: Mapping[str, Any], args_json: str) -> bool:
     """True when ``args_json`` (the stored JSON) is exactly what _CANONICAL would write: scalar
     values only, names in sorted order, and no float the producer writes its own way (1e16 and
     up, as ``10000000000000000.0``). The common case, and it saves encoding the arguments again."""
-    if args_json is None:
-        return False
     previous = ""
     for name, value in args.items():
         if name < previous:
@@ -187,9 +188,8 @@ def key_for(
         return f"{task}:{explicit}"
     by = rule.by
     if by is True:
-        if _canonical_already(args, args_json):
-            assert args_json is not None
-            return f"{task}:{hashlib.sha256(args_json.encode('utf-8')).hexdigest()[:32]}"
+        if args_json is not None and _canonical_already(args, args_json):
+            return task + ":" + _sha256(args_json.encode()).hexdigest()[:32]
         return f"{task}:{_digest(args)}"
     if callable(by):
         try:
