@@ -45,7 +45,8 @@ def check_parents(after: Iterable[int], limit: int = MAX_PARENTS) -> tuple[int, 
         raise InvalidJobError(
             f"after names {len(parents):,} jobs; at most {limit:,} (use a group for more)"
         )
-    return tuple(int(p) for p in parents)
+    # An Enqueued is kept as it is: its queue names its cluster (pgqueue.routing).
+    return tuple(p if isinstance(p, Enqueued) else int(p) for p in parents)
 
 
 def check_after_failure(value: object) -> str:
