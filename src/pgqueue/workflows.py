@@ -62,9 +62,8 @@ def with_parents(
         return row
     if row.unique_key is not None:
         raise InvalidJobError("a job cannot be both unique and run after other jobs")
-    return dataclasses.replace(
-        row, after=check_parents(after), after_failure=check_after_failure(after_failure)
-    )
+    parents = tuple(int(p) for p in check_parents(after))  # one type: psycopg dumps a list of one
+    return dataclasses.replace(row, after=parents, after_failure=check_after_failure(after_failure))
 
 
 @dataclass(frozen=True, slots=True)
