@@ -636,7 +636,9 @@ class App:
             on_conflict=on_conflict,
             meta=meta,
         )
-        target, row = self._placed_row(row, after, after_failure)
+        target = self
+        if after is not None or (self._root or self)._routes:
+            target, row = self._placed_row(row, after, after_failure)
         if connection is not None:
             routing.refuse_connection(target, self, row.queue)
             job = producer.insert(connections.sync_connection(connection), self.q, row)
@@ -685,7 +687,9 @@ class App:
             on_conflict=on_conflict,
             meta=meta,
         )
-        target, row = self._placed_row(row, after, after_failure)
+        target = self
+        if after is not None or (self._root or self)._routes:
+            target, row = self._placed_row(row, after, after_failure)
         if connection is not None:
             routing.refuse_connection(target, self, row.queue)
             conn = await connections.async_connection(connection)
@@ -701,7 +705,7 @@ class App:
         self, row: producer.JobRow, after: Iterable[int] | None, after_failure: str
     ) -> tuple[App, producer.JobRow]:
         """The cluster of the job's queue, and the job with its parents (on that cluster)."""
-        target = self.cluster(row.queue) if (self._root or self)._routes else self
+        target = self.cluster(row.queue)
         parents = None if after is None else workflows.check_parents(after)
         routing.check_parents(self.cluster, target, row.queue, parents)
         return target, workflows.with_parents(row, parents, after_failure)
