@@ -1,5 +1,5 @@
 """Queues routed to independent clusters (``App(routes=...)``), on two real PostgreSQL clusters:
-the test's usual server, and a throwaway cluster of this module's own (initdb + pg_ctl)."""
+the test's usual server, and the session's second, throwaway cluster (``other_dsn``)."""
 
 from __future__ import annotations
 
@@ -11,35 +11,11 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.testing import run_until_idle
-from pgqueue.testing.databases import TemplateDatabases
 from tests.conftest import Server
 from tests.helpers import running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
-
-
-@pytest.fixture(scope="module")
-def other_server() -> Iterator[TemplateDatabases]:
-    """A second PostgreSQL cluster, whatever ``PGQUEUE_TEST_DSN`` says about the first."""
-    cluster = EmbeddedPostgres().start()
-    try:
-        databases = TemplateDatabases.start(cluster.dsn, label="routing")
-    except BaseException:
-        cluster.stop()
-        raise
-    try:
-        yield databases
-    finally:
-        databases.close()
-        cluster.stop()
-
-
-@pytest.fixture
-def other_dsn(other_server: TemplateDatabases) -> Iterator[str]:
-    with other_server.database() as database:
-        yield database
 
 
 @pytest.fixture
@@ -272,7 +248,7 @@ async def test_schedules_live_and_fire_on_the_cluster_of_their_queue(
     assert jobs_on(conn) == []
 
 
-def test_migrate_migrates_every_cluster(pg_server: Server, other_server: TemplateDatabases) -> None:
+def test_migrate_migrates_every_cluster(pg_server: Server, other_server: Server) -> None:
     with pg_server.database(migrated=False) as a, other_server.database(migrated=False) as b:
         app = pgqueue.App(a, routes={"reports": b, "exports": b})
         try:
