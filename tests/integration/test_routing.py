@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.testing import run_until_idle
+from pgqueue.testing import bind, run_until_idle
 from tests.conftest import Server
 from tests.helpers import running_worker, wait_until_async
 
@@ -285,3 +285,21 @@ def test_operations_that_name_a_queue_act_on_its_cluster(
 def test_bad_routes_are_refused_at_declaration(routes: Any, message: str) -> None:
     with pytest.raises(pgqueue.ConfigurationError, match=message):
         pgqueue.App("postgresql://localhost/x", routes=routes)
+
+
+def test_a_routed_app_bound_to_a_test_database_keeps_every_queue_there(
+    dsn: str, conn: Conn, other: Conn
+) -> None:
+    app = pgqueue.App("postgresql://production/app", routes={"reports": "postgresql://r/app"})
+
+    @app.task(queue="reports")
+    def report() -> None: ...
+
+    with bind(app, dsn):
+        report.enqueue()
+        report.configure(queue="default").enqueue()
+        assert app.cluster("reports") is app
+        assert len(run_until_idle(app, ["reports"])) == 1
+    assert jobs_on(conn) == [("reports", "report"), ("default", "report")]
+    assert jobs_on(other) == []
+    assert app.routes == {"reports": "postgresql://r/app"}
