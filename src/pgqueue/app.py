@@ -837,7 +837,9 @@ class App:
         unique jobs are written with INSERT ... ON CONFLICT instead of COPY). One bad job refuses
         the whole batch and nothing of it is written; with ``connection``, the rest of that connection's
         transaction is kept. Jobs are checked while the COPY runs (a chunk at a time), so
-        PostgreSQL does not wait for Python to check the whole batch first."""
+        PostgreSQL does not wait for Python to check the whole batch first. With ``routes``,
+        every job is checked first, then each cluster's jobs are one COPY in a transaction of
+        their own there: a cluster that fails after another committed leaves the other's part."""
         chunks = self._checked_chunks(jobs, allow_unknown)
         if chunks is None:
             return 0
