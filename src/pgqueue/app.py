@@ -227,23 +227,7 @@ class App:
         with self._pool_lock:
             member = self._members.get(dsn)
             if member is None:
-                coalesce, window, most = self._coalesce_options
-                member = App(
-                    dsn, name=self.name, schema=self.schema, default_queue=self.default_queue,
-                    max_payload_bytes=self.max_payload_bytes, backoff=self.backoff,
-                    prepared_statements=self.prepared_statements, coalesce=coalesce,
-                    coalesce_window=window, coalesce_max=most,
-                    reconnect_timeout=self.reconnect_timeout, pool_size=self.pool_size,
-                )  # fmt: skip
-                member._root = self
-                # Shared, not copied: what is declared on the app later applies to members too.
-                member.tasks = self.tasks
-                member.middleware_stack = self.middleware_stack
-                member.enqueue_hooks = self.enqueue_hooks
-                member.around_enqueue_hooks = self.around_enqueue_hooks
-                member.periodic_schedules = self.periodic_schedules
-                member.retired_schedules = self.retired_schedules
-                self._members[dsn] = member
+                member = self._members[dsn] = routing.member(self, dsn)
         return member
 
     def _job_cluster(self, job_id: int, queue: str | None) -> App:
@@ -807,23 +791,6 @@ class App:
         first = next(chunks, None)
         return None if first is None else itertools.chain([first], chunks)
 
-    def _by_cluster(
-        self, chunks: Iterator[list[producer.JobRow]], on_connection: bool
-    ) -> list[tuple[App, list[list[producer.JobRow]]]]:
-        """A batch over routed queues, every job checked before any is written, then split by
-        cluster: one COPY (one transaction) per cluster, in chunks as ``copy_rows`` takes them."""
-        by_cluster: dict[App, list[list[producer.JobRow]]] = {}
-        for chunk in chunks:
-            for row in chunk:
-                target = self.cluster(row.queue)
-                if on_connection:
-                    routing.refuse_connection(target, self, row.queue)
-                parts = by_cluster.setdefault(target, [[]])
-                if len(parts[-1]) == producer.COPY_CHUNK:
-                    parts.append([])
-                parts[-1].append(row)
-        return list(by_cluster.items())
-
     @_published("enqueue_many")
     def enqueue_many(
         self,
@@ -845,7 +812,7 @@ class App:
             return 0
         if (self._root or self)._routes:
             written = 0
-            for target, rows in self._by_cluster(chunks, connection is not None):
+            for target, rows in routing.by_cluster(self, chunks, connection is not None):
                 if connection is not None:
                     conn = connections.sync_connection(connection)
                     written += producer.copy_rows(conn, self.q, rows)
@@ -873,7 +840,7 @@ class App:
             return 0
         if (self._root or self)._routes:
             written = 0
-            for target, rows in self._by_cluster(chunks, connection is not None):
+            for target, rows in routing.by_cluster(self, chunks, connection is not None):
                 if connection is not None:
                     conn = await connections.async_connection(connection)
                     written += await producer.copy_rows_async(conn, self.q, rows)

@@ -14,7 +14,7 @@ id on an app with routes needs ``queue=`` rather than guess and act on another c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from . import db, producer
@@ -44,6 +44,44 @@ def check_routes(routes: object) -> dict[str, str]:
         except ConfigurationError as exc:
             raise ConfigurationError(f"routes: queue {name!r}: {exc}") from None
     return checked
+
+
+def member(root: App, dsn: str) -> App:
+    """The app of a routed cluster: ``root``'s settings on ``dsn``, with connections of its
+    own, sharing (not copying) what is declared on ``root``, so later declarations apply."""
+    coalesce, window, most = root._coalesce_options
+    app = type(root)(
+        dsn, name=root.name, schema=root.schema, default_queue=root.default_queue,
+        max_payload_bytes=root.max_payload_bytes, backoff=root.backoff,
+        prepared_statements=root.prepared_statements, coalesce=coalesce, coalesce_window=window,
+        coalesce_max=most, reconnect_timeout=root.reconnect_timeout, pool_size=root.pool_size,
+    )  # fmt: skip
+    app._root = root
+    app.tasks = root.tasks
+    app.middleware_stack = root.middleware_stack
+    app.enqueue_hooks = root.enqueue_hooks
+    app.around_enqueue_hooks = root.around_enqueue_hooks
+    app.periodic_schedules = root.periodic_schedules
+    app.retired_schedules = root.retired_schedules
+    return app
+
+
+def by_cluster(
+    here: App, chunks: Iterator[list[producer.JobRow]], on_connection: bool
+) -> list[tuple[App, list[list[producer.JobRow]]]]:
+    """A bulk enqueue over routed queues: every job checked before any is written, then split
+    by cluster, in chunks as ``producer.copy_rows`` takes them (one COPY per cluster)."""
+    clusters: dict[App, list[list[producer.JobRow]]] = {}
+    for chunk in chunks:
+        for row in chunk:
+            target = here.cluster(row.queue)
+            if on_connection:
+                refuse_connection(target, here, row.queue)
+            parts = clusters.setdefault(target, [[]])
+            if len(parts[-1]) == producer.COPY_CHUNK:
+                parts.append([])
+            parts[-1].append(row)
+    return list(clusters.items())
 
 
 def placed(job: Enqueued, queue: str) -> Enqueued:
