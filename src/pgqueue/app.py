@@ -1203,8 +1203,8 @@ class App:
         (then the versions are those applied on any of them); a member (``app.cluster(q)``)
         migrates its own cluster only."""
         applied: set[int] = set()
-        routed = [] if self._root is not None else list(dict.fromkeys(self._routes.values()))
-        for cluster in [self, *(self._member(dsn) for dsn in routed)]:
+        routed = {self.cluster(queue) for queue in self._routes} - {self}
+        for cluster in [self, *sorted(routed, key=lambda member: member.dsn)]:
             with db.connect(cluster.dsn, **cluster.connect_options) as conn:
                 applied.update(
                     apply_migrations(conn, self.schema, lock_timeout=lock_timeout, timeout=timeout)
