@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 import pgqueue
+from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.errors import ConfigurationError
 from pgqueue.testing.databases import TemplateDatabases
 from tests.replication import Replicated
@@ -38,6 +39,30 @@ def pg_server(worker_id: str) -> Iterator[Server]:
 def dsn(pg_server: Server) -> Iterator[str]:
     """A fresh, migrated database for this test alone."""
     with pg_server.database() as database:
+        yield database
+
+
+@pytest.fixture(scope="session")
+def other_server() -> Iterator[Server]:
+    """A second PostgreSQL cluster of the session's own (initdb + pg_ctl), whatever
+    ``PGQUEUE_TEST_DSN`` says about the first: for queues routed to another cluster."""
+    cluster = EmbeddedPostgres().start()
+    try:
+        server = TemplateDatabases.start(cluster.dsn, label="other")
+    except BaseException:
+        cluster.stop()
+        raise
+    try:
+        yield server
+    finally:
+        server.close()
+        cluster.stop()
+
+
+@pytest.fixture
+def other_dsn(other_server: Server) -> Iterator[str]:
+    """A fresh, migrated database on the second cluster, for this test alone."""
+    with other_server.database() as database:
         yield database
 
 

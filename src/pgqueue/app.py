@@ -24,6 +24,7 @@ from . import (
     producer,
     queues,
     results,
+    routing,
     schedules,
     wire,
     workflows,
@@ -116,6 +117,7 @@ class App:
         coalesce_max: int = coalescing.DEFAULT_MAX,
         reconnect_timeout: float = pools.RETRY_FOR,
         pool_size: int = pools.MAX_SIZE,
+        routes: Mapping[str, str] | None = None,
     ) -> None:
         """``reconnect_timeout``: seconds a producer call (enqueue, cancel, ...) keeps retrying,
         with backoff, while PostgreSQL cannot take it and nothing of it was written: the server
@@ -128,8 +130,18 @@ class App:
         another starts) and a batch holds ``coalesce_max`` jobs at most. Off by default; see
         docs/concepts/coalescing.md for what it changes. ``pool_size``: producer connections at
         most for sync callers, and for each event loop's async callers (a worker's handlers
-        that enqueue use these: see docs/fleet.md)."""
+        that enqueue use these: see docs/fleet.md).
+
+        ``routes``: ``{queue: dsn}``, queues that live on other PostgreSQL clusters (each a
+        complete pgqueue); every other queue is on ``dsn``. Enqueues go to their queue's
+        cluster, workers serve one cluster each (that of their ``queues``); see
+        pgqueue.routing and docs/operating-at-scale.md for what spans clusters and what not."""
         self._dsn = dsn
+        self._routes = routing.check_routes(routes)
+        #: The app whose routes this member serves (None: the app itself); see ``cluster``.
+        self._root: App | None = None
+        self._members: dict[str, App] = {}
+        self._coalesce_options = (coalesce, coalesce_window, coalesce_max)
         #: Wraps every attempt, outermost first (``@app.middleware``; see pgqueue.hooks).
         self.middleware_stack: list[hooks.Middleware] = [
             hooks.check_middleware(m) for m in middleware
@@ -195,6 +207,56 @@ class App:
         if self._pool is not None or self._loop_pools:
             raise ConfigurationError("set the DSN before the app first talks to the database")
         self._dsn = db.resolve_dsn(value)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """The queues routed to other clusters, and their DSNs (a copy)."""
+        return dict((self._root or self)._routes)
+
+    def cluster(self, queue: str) -> App:
+        """The app of the cluster ``queue`` lives on: this app for an unrouted queue, else a
+        member app on its route's DSN sharing this app's tasks, hooks and schedules. For what
+        does not name a queue (bulk actions without ``queue=``, counts, ``migrate``, a
+        worker serving every queue) on a routed cluster: ``app.cluster("reports").find_jobs()``."""
+        root = self._root or self
+        dsn = root._routes.get(queues.check_queue(queue))
+        # A route to the app's own DSN, spelled the same, is the app's own cluster.
+        return root if dsn is None or dsn == root._dsn else root._member(dsn)
+
+    def _member(self, dsn: str) -> App:
+        with self._pool_lock:
+            member = self._members.get(dsn)
+            if member is None:
+                member = self._members[dsn] = routing.member(self, dsn)
+        return member
+
+    def _job_cluster(self, job_id: int, queue: str | None) -> App:
+        """Where a call given a job id looks: see pgqueue.routing."""
+        if queue is not None:
+            return self.cluster(queue)
+        if isinstance(job_id, Enqueued) and job_id.queue is not None:
+            return self.cluster(job_id.queue)
+        if self._root is not None or not self._routes:
+            return self  # one cluster: the app's own, or the member it was asked on
+        raise routing.unknown_cluster(job_id)
+
+    def _queue_cluster(self, queue: str | None) -> App:
+        """The cluster of a filter's queue; without one, this app's own."""
+        return self if queue is None else self.cluster(queue)
+
+    def _cluster_schedules(self) -> dict[str, Schedule]:
+        """The declared schedules this app's cluster fires: those of its queues (a schedule
+        enqueues on the cluster of its queue, fired there by that cluster's workers)."""
+        return {n: s for n, s in self.periodic_schedules.items() if self.cluster(s.queue) is self}
+
+    def _serving(self, worker_queues: list[str] | None) -> App:
+        """The cluster a worker of ``worker_queues`` serves (None: this app's, every queue)."""
+        if worker_queues is None or not (self._root or self)._routes:
+            return self
+        try:
+            return routing.one_cluster(self.cluster, worker_queues, "a worker's queues")
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"{exc}: run one worker per cluster") from None
 
     # --- hooks ----------------------------------------------------------------------------
 
@@ -409,9 +471,12 @@ class App:
             self._coalescer.close()
         with self._pool_lock:
             pool, self._pool = self._pool, None
+            members = list(self._members.values())
         if pool is not None:
             pool.close()
         self._loop_pools.close()
+        for member in members:
+            member.close()
 
     async def aclose(self) -> None:
         """``close()`` for async code (closing never waits on the network)."""
@@ -555,12 +620,17 @@ class App:
             on_conflict=on_conflict,
             meta=meta,
         )
-        row = workflows.with_parents(row, after, after_failure)
+        target = self
+        if after is not None or (self._root or self)._routes:
+            target, row = self._placed_row(row, after, after_failure)
         if connection is not None:
-            return producer.insert(connections.sync_connection(connection), self.q, row)
-        if self._coalescer is not None and coalescing.batchable(row):
-            return self._coalescer.enqueue(row)
-        return self._sync_pool().run(lambda conn: wire.pooled_insert(conn, self.q, row))
+            routing.refuse_connection(target, self, row.queue)
+            job = producer.insert(connections.sync_connection(connection), self.q, row)
+        elif target._coalescer is not None and coalescing.batchable(row):
+            job = target._coalescer.enqueue(row)
+        else:
+            job = target._sync_pool().run(lambda conn: wire.pooled_insert(conn, self.q, row))
+        return routing.placed(job, row.queue)
 
     @_published_async("enqueue")
     async def enqueue_async(
@@ -601,14 +671,28 @@ class App:
             on_conflict=on_conflict,
             meta=meta,
         )
-        row = workflows.with_parents(row, after, after_failure)
+        target = self
+        if after is not None or (self._root or self)._routes:
+            target, row = self._placed_row(row, after, after_failure)
         if connection is not None:
+            routing.refuse_connection(target, self, row.queue)
             conn = await connections.async_connection(connection)
-            return await producer.insert_async(conn, self.q, row)
-        if self._coalescer is not None and coalescing.batchable(row):
-            return await self._coalescer.enqueue_async(row)
-        pool = await self._async_pool()
-        return await pool.run(lambda conn: wire.pooled_insert_async(conn, self.q, row))
+            job = await producer.insert_async(conn, self.q, row)
+        elif target._coalescer is not None and coalescing.batchable(row):
+            job = await target._coalescer.enqueue_async(row)
+        else:
+            pool = await target._async_pool()
+            job = await pool.run(lambda conn: wire.pooled_insert_async(conn, self.q, row))
+        return routing.placed(job, row.queue)
+
+    def _placed_row(
+        self, row: producer.JobRow, after: Iterable[int] | None, after_failure: str
+    ) -> tuple[App, producer.JobRow]:
+        """The cluster of the job's queue, and the job with its parents (on that cluster)."""
+        target = self.cluster(row.queue)
+        parents = None if after is None else workflows.check_parents(after)
+        routing.check_parents(self.cluster, target, row.queue, parents)
+        return target, workflows.with_parents(row, parents, after_failure)
 
     def _row_chunks(
         self, jobs: Iterable[JobSpec], allow_unknown: bool
@@ -730,10 +814,22 @@ class App:
         unique jobs are written with INSERT ... ON CONFLICT instead of COPY). One bad job refuses
         the whole batch and nothing of it is written; with ``connection``, the rest of that connection's
         transaction is kept. Jobs are checked while the COPY runs (a chunk at a time), so
-        PostgreSQL does not wait for Python to check the whole batch first."""
+        PostgreSQL does not wait for Python to check the whole batch first. With ``routes``,
+        every job is checked first, then each cluster's jobs are one COPY in a transaction of
+        their own there: a cluster that fails after another committed leaves the other's part."""
         chunks = self._checked_chunks(jobs, allow_unknown)
         if chunks is None:
             return 0
+        if (self._root or self)._routes:
+            written = 0
+            for target, rows in routing.by_cluster(self, chunks, connection is not None):
+                if connection is not None:
+                    conn = connections.sync_connection(connection)
+                    written += producer.copy_rows(conn, self.q, rows)
+                else:
+                    copy = functools.partial(producer.copy_rows, q=self.q, chunks=rows)
+                    written += target._sync_pool().run(copy)
+            return written
         if connection is not None:
             return producer.copy_rows(connections.sync_connection(connection), self.q, chunks)
         # Not replayable: the chunks are checked as the COPY consumes them.
@@ -752,6 +848,17 @@ class App:
         chunks = self._checked_chunks(jobs, allow_unknown)
         if chunks is None:
             return 0
+        if (self._root or self)._routes:
+            written = 0
+            for target, rows in routing.by_cluster(self, chunks, connection is not None):
+                if connection is not None:
+                    conn = await connections.async_connection(connection)
+                    written += await producer.copy_rows_async(conn, self.q, rows)
+                else:
+                    pool = await target._async_pool()
+                    copy = functools.partial(producer.copy_rows_async, q=self.q, chunks=rows)
+                    written += await pool.run(copy)
+            return written
         if connection is not None:
             conn = await connections.async_connection(connection)
             return await producer.copy_rows_async(conn, self.q, chunks)
@@ -762,22 +869,30 @@ class App:
 
     # --- inspecting and steering jobs -----------------------------------------------------
 
-    def get_job(self, job_id: int) -> Job | None:
-        row = self._sync_pool().run(
+    # A call given a job id looks on the cluster of ``queue=`` (the job's queue), else of the
+    # queue an ``Enqueued`` remembers; on an app with routes a plain id alone is refused, as ids
+    # repeat across clusters (pgqueue.routing).
+
+    def get_job(self, job_id: int, *, queue: str | None = None) -> Job | None:
+        pool = self._job_cluster(job_id, queue)._sync_pool()
+        row = pool.run(
             lambda conn: conn.execute(self.q.get_job, {"id": job_id}).fetchone(), read_only=True
         )
         return Job.from_row(row) if row else None
 
-    def job_attempts(self, job_id: int, *, limit: int = 1000) -> list[Attempt]:
+    def job_attempts(
+        self, job_id: int, *, limit: int = 1000, queue: str | None = None
+    ) -> list[Attempt]:
         """Every attempt of job ``job_id``, oldest first: the failed, cancelled and expired ones
         from the attempt history (the latest ``limit`` of them), then the running or succeeded
         one. Empty for a job that never ran, and for an id with no job or history. A requeue
         starts the numbering again at 1; attempts that ended before schema version 16 were not
         recorded."""
+        cluster = self._job_cluster(job_id, queue)
         job_id = _job_id(job_id)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigurationError(f"limit must be a positive whole number, got {limit!r}")
-        rows = self._sync_pool().run(
+        rows = cluster._sync_pool().run(
             lambda conn: conn.execute(
                 self.q.job_attempts, {"id": job_id, "limit": limit}
             ).fetchall(),
@@ -786,45 +901,52 @@ class App:
         ordered = sorted(rows, key=lambda r: (r[7], r[5] is None, r[5]))
         return [Attempt(*row[:7]) for row in ordered]
 
-    def wait(self, job_id: int, timeout: float | None = None) -> Any:
+    def wait(self, job_id: int, timeout: float | None = None, *, queue: str | None = None) -> Any:
         """Block until job ``job_id`` finishes and return its result (the handler's return
         value, as stored JSON). Raises ``JobFailedError`` if it ends dead (with its last error),
         ``JobCancelledError`` if cancelled, ``WaitTimeoutError`` after ``timeout`` seconds (the
         job goes on), ``JobNotFoundError`` for an unknown id. Woken by the worker's announcement
         of the job's end, not by polling (concepts/results.md)."""
+        cluster = self._job_cluster(job_id, queue)
         return results.wait(
-            self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
-            _timeout(timeout), self.reconnect_timeout,
+            cluster.dsn, cluster.connect_options, self.q, self.schema, _job_id(job_id),
+            _timeout(timeout), cluster.reconnect_timeout,
         )  # fmt: skip
 
-    async def wait_async(self, job_id: int, timeout: float | None = None) -> Any:
+    async def wait_async(
+        self, job_id: int, timeout: float | None = None, *, queue: str | None = None
+    ) -> Any:
         """``wait`` for async code."""
+        cluster = self._job_cluster(job_id, queue)
         return await results.wait_async(
-            self.dsn, self.connect_options, self.q, self.schema, _job_id(job_id),
-            _timeout(timeout), self.reconnect_timeout,
+            cluster.dsn, cluster.connect_options, self.q, self.schema, _job_id(job_id),
+            _timeout(timeout), cluster.reconnect_timeout,
         )  # fmt: skip
 
-    def requeue(self, job_id: int) -> bool:
+    def requeue(self, job_id: int, *, queue: str | None = None) -> bool:
         """Run a dead or cancelled job again, with a fresh set of attempts."""
-        return self._sync_pool().run(
+        pool = self._job_cluster(job_id, queue)._sync_pool()
+        return pool.run(
             lambda conn: conn.execute(self.q.requeue_job, {"id": job_id}).fetchone() is not None
         )
 
-    def cancel(self, job_id: int) -> CancelResult:
+    def cancel(self, job_id: int, *, queue: str | None = None) -> CancelResult:
         """Cancel a job: a waiting one at once (``"cancelled"``), a running one by asking its
         worker to stop it (``"cancel requested"``; it ends cancelled, never retried), a finished
         one not at all (``"already finished"``, false in a boolean context). Raises
         ``JobNotFoundError`` for an unknown id (concepts/cancellation.md)."""
+        cluster = self._job_cluster(job_id, queue)
         job = _job_id(job_id)
-        row = self._sync_pool().run(
+        row = cluster._sync_pool().run(
             lambda conn: conn.execute(self.q.cancel_job, {"id": job}).fetchone()
         )
         return _cancel_result(job, row)
 
-    async def cancel_async(self, job_id: int) -> CancelResult:
+    async def cancel_async(self, job_id: int, *, queue: str | None = None) -> CancelResult:
         """``cancel`` for async code."""
+        cluster = self._job_cluster(job_id, queue)
         job = _job_id(job_id)
-        pool = await self._async_pool()
+        pool = await cluster._async_pool()
 
         async def run(conn: psycopg.AsyncConnection[Any]) -> Any:
             cur = await conn.execute(self.q.cancel_job, {"id": job})
@@ -845,16 +967,16 @@ class App:
             raise InvalidJobError("chain() needs at least one step")
         rows = [step.row(self, callback=i > 0) for i, step in enumerate(steps)]
         failure = workflows.check_after_failure(after_failure)
-        if connection is not None:
-            conn = connections.sync_connection(connection)
-            with conn.transaction():
-                return workflows.chain(conn, self.q, rows, failure)
+        target = self._workflow_cluster(rows, "a chain", connection is not None)
 
         def write(conn: psycopg.Connection[Any]) -> list[Enqueued]:
             with conn.transaction():
-                return workflows.chain(conn, self.q, rows, failure)
+                ids = workflows.chain(conn, self.q, rows, failure)
+            return [routing.placed(job, row.queue) for job, row in zip(ids, rows, strict=True)]
 
-        return self._sync_pool().run(write)
+        if connection is not None:
+            return write(connections.sync_connection(connection))
+        return target._sync_pool().run(write)
 
     @_published("group")
     def group(
@@ -869,14 +991,32 @@ class App:
             raise InvalidJobError("group() needs at least one member")
         callback = None if then is None else then.row(self, callback=True)
         failure = workflows.check_after_failure(after_failure)
+        every = rows if callback is None else [*rows, callback]
+        target = self._workflow_cluster(every, "a group", connection is not None)
 
         def write(conn: psycopg.Connection[Any]) -> workflows.Group:
             with conn.transaction():
-                return workflows.group(conn, self.q, rows, callback, failure)
+                done = workflows.group(conn, self.q, rows, callback, failure)
+            # Members come back in order (workflows.group), so each takes its own queue.
+            members = [routing.placed(j, r.queue) for j, r in zip(done.members, rows, strict=True)]
+            last = done.callback
+            return workflows.Group(
+                members, None if last is None or callback is None
+                else routing.placed(last, callback.queue),
+            )  # fmt: skip
 
         if connection is not None:
             return write(connections.sync_connection(connection))
-        return self._sync_pool().run(write)
+        return target._sync_pool().run(write)
+
+    def _workflow_cluster(self, rows: list[producer.JobRow], what: str, on_connection: bool) -> App:
+        """The one cluster a workflow's jobs are on: one cluster's trigger releases children."""
+        if not (self._root or self)._routes:
+            return self
+        target = routing.one_cluster(self.cluster, (r.queue for r in rows), what)
+        if on_connection:
+            routing.refuse_connection(target, self, rows[0].queue)
+        return target
 
     # --- operators' bulk actions (pgqueue.operations) ---------------------------------------
 
@@ -891,7 +1031,8 @@ class App:
         f = operations.JobFilter.of(
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
-        return self._sync_pool().run(
+        pool = self._queue_cluster(queue)._sync_pool()
+        return pool.run(
             lambda conn: operations.bulk(conn, self.q, "requeue", f, dry_run=dry_run),
             replayable=False,  # batches commit one by one
         )
@@ -906,7 +1047,8 @@ class App:
         f = operations.JobFilter.of(
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
-        return self._sync_pool().run(
+        pool = self._queue_cluster(queue)._sync_pool()
+        return pool.run(
             lambda conn: operations.bulk(conn, self.q, "cancel", f, dry_run=dry_run),
             replayable=False,  # batches commit one by one
         )
@@ -918,7 +1060,8 @@ class App:
         """Delete finished jobs (succeeded by default; dead or cancelled if named) that finished
         more than ``older_than`` ago. Batched (never a long lock) and audited."""
         f = operations.JobFilter.of(task=task, queue=queue, status=status, older_than=older_than)
-        return self._sync_pool().run(
+        pool = self._queue_cluster(queue)._sync_pool()
+        return pool.run(
             lambda conn: operations.bulk(conn, self.q, "purge", f, dry_run=dry_run),
             replayable=False,  # batches commit one by one
         )
@@ -932,15 +1075,15 @@ class App:
         f = operations.JobFilter.of(
             task=task, queue=queue, status=status, since=since, older_than=older_than
         )
-        return self._sync_pool().run(
-            lambda conn: operations.find(conn, self.q, f, limit), read_only=True
-        )
+        pool = self._queue_cluster(queue)._sync_pool()
+        return pool.run(lambda conn: operations.find(conn, self.q, f, limit), read_only=True)
 
-    def retry_now(self, job_id: int) -> bool:
+    def retry_now(self, job_id: int, *, queue: str | None = None) -> bool:
         """Run a retrying (or delayed) job now instead of at its run_at; False if it is not
         waiting. Raises JobNotFoundError for an unknown id."""
+        cluster = self._job_cluster(job_id, queue)
         job = _job_id(job_id)
-        was = self._sync_pool().run(lambda conn: operations.retry_now(conn, self.q, job))
+        was = cluster._sync_pool().run(lambda conn: operations.retry_now(conn, self.q, job))
         return was in ("queued", "retrying")
 
     def audit_log(self, limit: int = 20) -> list[operations.AuditEntry]:
@@ -962,24 +1105,24 @@ class App:
         returns False if it was paused already. Running jobs finish and are acked as usual;
         enqueues are still accepted. The pause is kept in the database: restarts keep it."""
         queue = queues.check_queue(name)
-        return self._sync_pool().run(lambda conn: queues.pause(conn, self.q, queue))
+        return self.cluster(queue)._sync_pool().run(lambda conn: queues.pause(conn, self.q, queue))
 
     def resume_queue(self, name: str) -> bool:
         """Let workers claim queue ``name`` again, and wake the idle ones at once; returns False
         if it was not paused."""
         queue = queues.check_queue(name)
-        return self._sync_pool().run(lambda conn: queues.resume(conn, self.q, queue))
+        return self.cluster(queue)._sync_pool().run(lambda conn: queues.resume(conn, self.q, queue))
 
     async def pause_queue_async(self, name: str) -> bool:
         """``pause_queue`` for async code."""
         queue = queues.check_queue(name)
-        pool = await self._async_pool()
+        pool = await self.cluster(queue)._async_pool()
         return await pool.run(lambda conn: queues.pause_async(conn, self.q, queue))
 
     async def resume_queue_async(self, name: str) -> bool:
         """``resume_queue`` for async code."""
         queue = queues.check_queue(name)
-        pool = await self._async_pool()
+        pool = await self.cluster(queue)._async_pool()
         return await pool.run(lambda conn: queues.resume_async(conn, self.q, queue))
 
     def paused_queues(self) -> list[str]:
@@ -999,7 +1142,9 @@ class App:
         Workers obey from their next claim; nothing restarts (concepts/limits.md)."""
         queue = queues.check_queue(name)
         settings = limits.check_settings(limit, rate)
-        self._sync_pool().run(lambda conn: limits.set_queue(conn, self.q, queue, settings))
+        self.cluster(queue)._sync_pool().run(
+            lambda conn: limits.set_queue(conn, self.q, queue, settings)
+        )
 
     def limit_task(
         self,
@@ -1024,7 +1169,7 @@ class App:
         """``limit_queue`` for async code."""
         queue = queues.check_queue(name)
         settings = limits.check_settings(limit, rate)
-        pool = await self._async_pool()
+        pool = await self.cluster(queue)._async_pool()
         await pool.run(lambda conn: limits.set_queue_async(conn, self.q, queue, settings))
 
     async def limit_task_async(
@@ -1064,13 +1209,23 @@ class App:
         queue; returns the versions applied. ``lock_timeout`` (default 1 s) bounds each wait for
         a lock before the step backs off and retries; after ``timeout`` (default 600 s) a step
         that still cannot take its locks raises ``MigrationError`` naming who holds them. See
-        ``pgqueue.migrate.migrate``."""
-        with db.connect(self.dsn, **self.connect_options) as conn:
-            return apply_migrations(conn, self.schema, lock_timeout=lock_timeout, timeout=timeout)
+        ``pgqueue.migrate.migrate``. With ``routes``, every cluster is migrated, this app's first
+        (then the versions are those applied on any of them); a member (``app.cluster(q)``)
+        migrates its own cluster only."""
+        applied: set[int] = set()
+        routed = {self.cluster(queue) for queue in self._routes} - {self}
+        for cluster in [self, *sorted(routed, key=lambda member: member.dsn)]:
+            with db.connect(cluster.dsn, **cluster.connect_options) as conn:
+                applied.update(
+                    apply_migrations(conn, self.schema, lock_timeout=lock_timeout, timeout=timeout)
+                )
+        return sorted(applied)
 
     # --- workers --------------------------------------------------------------------------
 
     def worker(self, **options: Any) -> Worker:
+        """A worker on one cluster: that of its ``queues`` (all on one cluster), or this app's
+        own serving every queue there when ``queues`` is not given (see ``Worker``)."""
         from .worker.runtime import Worker
 
         return Worker(self, **options)

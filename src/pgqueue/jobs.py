@@ -111,10 +111,13 @@ class Enqueued(int):
     """What ``enqueue`` returns: a job id (an ``int``, usable wherever the id was), and what
     happened. ``duplicate``: a job with the same unique key already held it, and this is that
     job's id (nothing new was written). ``replaced``: that job took the new arguments (and, for
-    ``on_conflict="debounce"``, the later run_at), as it was still waiting."""
+    ``on_conflict="debounce"``, the later run_at), as it was still waiting. ``queue``: the queue
+    the enqueue asked for, which names the job's cluster on an app with routes (None for an id
+    made by hand)."""
 
     duplicate: bool
     replaced: bool
+    queue: str | None = None
 
     def __new__(cls, job_id: int, duplicate: bool = False, replaced: bool = False) -> Enqueued:
         self = super().__new__(cls, job_id)

@@ -233,7 +233,7 @@ def prune(conn: psycopg.Connection[Any], app: App, *, dry_run: bool) -> list[str
     """Retire the live schedules owned by ``app.name`` that its code no longer declares, and
     return their names (with ``dry_run``, only return them). Other apps' rows are never
     touched: only their own app may retire them."""
-    params = {"app": app.name, "declared": sorted(app.periodic_schedules)}
+    params = {"app": app.name, "declared": sorted(app._cluster_schedules())}
     with conn.transaction():
         conn.execute(app.q.lock_schedule_sync, {"schema": app.schema})
         names = [str(row[0]) for row in conn.execute(app.q.undeclared_schedules, params)]

@@ -45,7 +45,8 @@ def check_parents(after: Iterable[int], limit: int = MAX_PARENTS) -> tuple[int, 
         raise InvalidJobError(
             f"after names {len(parents):,} jobs; at most {limit:,} (use a group for more)"
         )
-    return tuple(int(p) for p in parents)
+    # An Enqueued is kept as it is: its queue names its cluster (pgqueue.routing).
+    return tuple(p if isinstance(p, Enqueued) else int(p) for p in parents)
 
 
 def check_after_failure(value: object) -> str:
@@ -61,9 +62,8 @@ def with_parents(
         return row
     if row.unique_key is not None:
         raise InvalidJobError("a job cannot be both unique and run after other jobs")
-    return dataclasses.replace(
-        row, after=check_parents(after), after_failure=check_after_failure(after_failure)
-    )
+    parents = tuple(int(p) for p in check_parents(after))  # one type: psycopg dumps a list of one
+    return dataclasses.replace(row, after=parents, after_failure=check_after_failure(after_failure))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,15 +30,19 @@ if TYPE_CHECKING:
 def bind(app: App, dsn: str) -> Iterator[App]:
     """Point ``app`` at ``dsn`` for the block, then close its connections and give it back its
     own DSN. For an app declared at import time, whose tasks enqueue through it: binding that
-    object (not a new App) is what makes ``task.enqueue`` reach the test's database."""
+    object (not a new App) is what makes ``task.enqueue`` reach the test's database. An app's
+    ``routes`` point at ``dsn`` too: in the block every queue is on the test's database."""
     app.close()
     previous = app._dsn  # None (resolved from the environment on first use) stays None
+    previous_routes = app._routes
     app.dsn = dsn
+    app._routes = dict.fromkeys(previous_routes, app.dsn)  # a route to its own DSN: no cluster
     try:
         yield app
     finally:
         app.close()
         app._dsn = previous
+        app._routes = previous_routes
 
 
 __all__ = [

@@ -120,6 +120,8 @@ async def run_until_idle_async(
     statements = named("pgqueue.testing", "testing.sql", app.schema)
     served = None if worker.queues is None else list(worker.queues)
     pending: tuple[list[PendingJob], int] = ([], 0)
+    # The worker's cluster: with routes, that of its queues (pgqueue.routing).
+    app = worker.app
     try:
         conn = await db.connect_async(app.dsn, **app.connect_options)
         async with conn:

@@ -91,7 +91,8 @@ class _Eager:
     async def enqueue_many_async(self, jobs: Iterable[JobSpec], **options: Any) -> int:
         return sum([1 for row in self._rows(jobs, options) if await self._start(row)])
 
-    def wait(self, job_id: int, timeout: float | None = None) -> Any:
+    def wait(self, job_id: int, timeout: float | None = None, *, queue: str | None = None) -> Any:
+        # queue= picks a cluster with routes (pgqueue.routing); eager ids are one sequence.
         run = self._find(job_id)
         if run.status is not Status.SUCCEEDED:
             first_line = (run.error or "").splitlines()[0] if run.error else ""
@@ -102,7 +103,9 @@ class _Eager:
             )
         return run.result
 
-    async def wait_async(self, job_id: int, timeout: float | None = None) -> Any:
+    async def wait_async(
+        self, job_id: int, timeout: float | None = None, *, queue: str | None = None
+    ) -> Any:
         return self.wait(job_id, timeout)
 
     def chain(self, *steps: Any, **options: Any) -> Any:

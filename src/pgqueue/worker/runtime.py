@@ -216,7 +216,8 @@ class Worker:
                 raise ConfigurationError(f"queues: {exc}") from None
             if not queues:
                 raise ConfigurationError("queues must name at least one queue (or be None for all)")
-        self.app = app
+        #: The app of the one cluster this worker serves (pgqueue.routing): its queues' own.
+        self.app = app._serving(queues)
         self.queues = list(queues) if queues is not None else None
         self.lease = float(lease)
         self.heartbeat_interval = float(heartbeat_interval)

@@ -70,7 +70,8 @@ class Scheduler:
         ``paused`` is the operator's and is never changed here.
         """
         app, q = self.app, self.q
-        declared = sorted(app.periodic_schedules.values(), key=lambda s: s.name)
+        # This cluster's schedules only: a schedule enqueues on the cluster of its queue.
+        declared = sorted(app._cluster_schedules().values(), key=lambda s: s.name)
         names = [s.name for s in declared]
         retiring = sorted(app.retired_schedules)
         async with conn.transaction():
