@@ -126,7 +126,8 @@ def eligible(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], row: 
         and row.unique_key is None
         and conn.prepare_threshold is not None
         and conn.pgconn.transaction_status == TransactionStatus.IDLE
-        and conn.info.encoding == "utf-8"
+        # What conn.info.encoding reads, without making a ConnectionInfo per call.
+        and conn.pgconn.parameter_status(b"client_encoding") == b"UTF8"
     )
 
 
