@@ -281,3 +281,37 @@ def test_a_watcher_does_not_outlive_its_loop(dsn: str, conn: Conn) -> None:
     finally:
         aconn.pgconn.finish()
     assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (2,)
+
+
+@needs_proc
+def test_a_call_cancelled_after_its_answer_was_read_leaves_no_busy_connection(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The watcher reads the answer in its callback; a cancellation that lands before the call
+    resumes leaves the results unfetched on the connection: the pool closes it, the watcher
+    lets go of its socket, and the next call gets a fresh connection. The job was committed,
+    as with any call cancelled once its statement was sent."""
+
+    async def scenario() -> None:
+        before = descriptors()
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        pool = await app._async_pool()
+        borrowed = await pool.take()  # the connection the next call will use, and its watcher
+        pool.give_back(borrowed)
+        session = wire._sessions[borrowed.pgconn]
+        call = asyncio.ensure_future(app.enqueue_async("t", {}, allow_unknown=True))
+        # The callback that reads the answer runs after this coroutine in a pass of the loop,
+        # and wakes the call in the next pass, after this coroutine again.
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (session.watcher and session.watcher.waiter and session.watcher.waiter.done()):
+            assert asyncio.get_running_loop().time() < deadline, "no answer read"
+            await asyncio.sleep(0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert borrowed.closed
+        await wait_until_async(lambda: descriptors() == before)
+        assert await asyncio.wait_for(app.enqueue_async("t", {}, allow_unknown=True), 30) > 0
+
+    asyncio.run(scenario())
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (3,)
