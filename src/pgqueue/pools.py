@@ -332,7 +332,7 @@ class Pool(_Idle[SyncConn]):
         have been committed (see the module docstring); ``read_only`` also after a lost
         connection. ``replayable=False`` (a statement that consumes its input as it goes)
         retries only connecting. A lost connection is a DatabaseUnavailableError."""
-        retries = Retries(self.retry_for)
+        retries = None  # made on the first failure: most calls never need one
         lost_once = False
         while True:
             try:
@@ -346,6 +346,7 @@ class Pool(_Idle[SyncConn]):
                     lost_once = True
                     continue
                 error = db.lost(self.dsn, exc.cause, read_only=True)
+            retries = retries or Retries(self.retry_for)
             pause = retries.pause()
             if pause is None:
                 raise retries.gave_up(error, wrote=not read_only) from None
@@ -428,7 +429,7 @@ class AsyncPool(_Idle[AsyncConn]):
         replayable: bool = True,
     ) -> T:  # fmt: skip
         """The async twin of ``Pool.run``."""
-        retries = Retries(self.retry_for)
+        retries = None  # made on the first failure: most calls never need one
         lost_once = False
         while True:
             try:
@@ -442,6 +443,7 @@ class AsyncPool(_Idle[AsyncConn]):
                     lost_once = True
                     continue
                 error = db.lost(self.dsn, exc.cause, read_only=True)
+            retries = retries or Retries(self.retry_for)
             pause = retries.pause()
             if pause is None:
                 raise retries.gave_up(error, wrote=not read_only) from None

@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -29,9 +28,9 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024
 COPY_CHUNK = 500  # rows per COPY write: PostgreSQL ingests one chunk while the next is checked
 
 
-@dataclass(frozen=True, slots=True)
-class JobRow:
-    """A validated job, ready for INSERT or COPY."""
+class JobRow(NamedTuple):
+    """A validated job, ready for INSERT or COPY. A named tuple: immutable like a frozen
+    dataclass, and made in a quarter of its time (one is made per enqueue)."""
 
     queue: str
     task: str
@@ -260,9 +259,33 @@ def _exact_json(value: Any) -> str:
     return "[" + ",".join(_exact_json(item) for item in value) + "]"
 
 
+#: Argument values whose JSON text says all a check needs to know (see ``_flat_json``).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _flat_json(args: dict[Any, Any], max_payload: int) -> str | None:
+    """The JSON text of arguments that are all plain scalars under identifier names, when it
+    holds nothing ``_check_value`` would refuse (None: ask it). Most jobs' arguments are, and
+    their text shows what the walk looks for: NaN and infinities fail the encoder, a NUL is
+    written ``\\u0000``, a lone surrogate fails the UTF-8 encoding that measures the size."""
+    for key, value in args.items():
+        if type(key) is not str or type(value) not in _SCALARS or not key.isidentifier():
+            return None
+    try:
+        text = _ENCODER.encode(args)
+        size = len(text.encode("utf-8"))
+    except (ValueError, UnicodeEncodeError):
+        return None
+    if size > max_payload or "\\u0000" in text or "e+" in text:
+        return None
+    return text
+
+
 def serialize_args(args: Mapping[str, Any] | None, max_payload: int) -> str:
     if args is None:
         args = {}
+    if type(args) is dict and (text := _flat_json(args, max_payload)) is not None:
+        return text
     if type(args) is not dict and not isinstance(args, Mapping):  # skip the ABC check for dicts
         raise InvalidJobError(
             f"args must be a mapping of keyword arguments, got {type(args).__name__}"

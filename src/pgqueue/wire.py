@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import os
 import re
 import weakref
 from typing import Any
@@ -36,8 +37,26 @@ ENABLED = True
 #: The parameters of ``insert_job``, in the order JobRow.params gives them.
 _ORDER = ("queue", "task", "args", "priority", "run_at", "delay", "max_attempts", "limit_key",
           "meta")  # fmt: skip
-#: Statement names prepared on each connection (by its libpq connection object).
-_prepared: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+#: What this module knows of each connection, by its libpq connection object.
+_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+#: Whether the socket can be duplicated for a reader that outlives one call (``_Watcher``).
+_WATCH = os.name == "posix"
+
+
+class _Session:
+    __slots__ = ("prepared", "watcher")
+
+    def __init__(self) -> None:
+        #: Statement names prepared on this connection.
+        self.prepared: set[bytes] = set()
+        self.watcher: _Watcher | None = None
+
+
+def _session(pgconn: Any) -> _Session:
+    session = _sessions.get(pgconn)
+    if session is None:
+        session = _sessions[pgconn] = _Session()
+    return session
 
 
 @functools.cache
@@ -107,7 +126,8 @@ def eligible(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], row: 
         and row.unique_key is None
         and conn.prepare_threshold is not None
         and conn.pgconn.transaction_status == TransactionStatus.IDLE
-        and conn.info.encoding == "utf-8"
+        # What conn.info.encoding reads, without making a ConnectionInfo per call.
+        and conn.pgconn.parameter_status(b"client_encoding") == b"UTF8"
     )
 
 
@@ -123,7 +143,7 @@ def _job_id(results: list[Any]) -> int:
 
 def insert(conn: psycopg.Connection[Any], statement: Statement, params: list[bytes | None]) -> int:
     pgconn = conn.pgconn
-    done = _prepared.setdefault(pgconn, set())
+    done = _session(pgconn).prepared
     for _ in range(2):
         if statement.name not in done:
             pgconn.send_prepare(statement.name, statement.text)
@@ -141,15 +161,16 @@ async def insert_async(
     conn: psycopg.AsyncConnection[Any], statement: Statement, params: list[bytes | None]
 ) -> int:
     pgconn = conn.pgconn
-    done = _prepared.setdefault(pgconn, set())
+    session = _session(pgconn)
+    done = session.prepared
     for _ in range(2):
         if statement.name not in done:
             pgconn.send_prepare(statement.name, statement.text)
-            _job_id_or_ok(await _results(pgconn))
+            _job_id_or_ok(await _results(pgconn, session))
             done.add(statement.name)
         pgconn.send_query_prepared(statement.name, params)
         try:
-            return _job_id(await _results(pgconn))
+            return _job_id(await _results(pgconn, session))
         except errors.InvalidSqlStatementName:  # deallocated by code that borrowed the conn
             done.discard(statement.name)
     raise psycopg.InterfaceError("the job INSERT could not be prepared")
@@ -161,23 +182,93 @@ def _job_id_or_ok(results: list[Any]) -> None:
             raise errors.error_from_result(result, encoding="utf-8")
 
 
-async def _results(pgconn: Any) -> list[Any]:
-    """Every result of the query just sent. Waits on the socket with the loop's own reader
-    callback: psycopg's general async wait costs about a third of this call's CPU. A caller
-    cancelled meanwhile leaves the connection busy, so the pool closes it (pools._settled)."""
+async def _results(pgconn: Any, session: _Session) -> list[Any]:
+    """Every result of the query just sent, without blocking the loop. A caller cancelled
+    meanwhile leaves the connection busy, so the pool closes it (pools._settled)."""
     loop = asyncio.get_running_loop()
-    fd = pgconn.socket
     while pgconn.flush():
-        await _ready(loop, fd, write=True)
+        await _ready(loop, pgconn.socket, write=True)
+    watcher = session.watcher
+    if watcher is None or not watcher.attached or watcher.loop is not loop:
+        watcher = session.watcher = _Watcher(loop, pgconn.socket) if _WATCH else None
     results: list[Any] = []
     while True:
-        pgconn.consume_input()
         while not pgconn.is_busy():
             result = pgconn.get_result()
             if result is None:
                 return results
             results.append(result)
-        await _ready(loop, fd, write=False)
+        if watcher is None:
+            await _ready(loop, pgconn.socket, write=False)
+            pgconn.consume_input()
+        else:
+            await watcher.answer(pgconn)
+
+
+class _Watcher:
+    """The loop's reader on a connection's socket, kept from one call to the next.
+
+    Adding and removing a reader around every call cost about a fifth of an async enqueue's
+    CPU (docs/performance.md, "Single enqueue"). The reader watches a duplicate of the
+    socket, so whoever closes the connection (the pool, ``App.close()`` from another thread,
+    libpq after a failed read) never leaves the loop watching a closed descriptor, whose
+    number the next socket may reuse. The duplicate is the watcher's own: it is closed in the
+    loop's thread, by ``detach``, or when the loop has dropped the watcher (a closed loop).
+
+    Between calls the socket has nothing to say: when it does (the server's goodbye, a closed
+    connection, or the answer to a statement run through psycopg by another user of the
+    connection) the watcher detaches itself without reading, so it never steals another
+    reader's data nor spins on a socket left readable, and the next call attaches a new one.
+    """
+
+    __slots__ = ("__weakref__", "_close_fd", "attached", "fd", "loop", "pgconn", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, socket: int) -> None:
+        self.loop = loop
+        self.fd = os.dup(socket)
+        self._close_fd = weakref.finalize(self, os.close, self.fd)
+        self._close_fd.atexit = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.pgconn: Any = None
+        try:
+            loop.add_reader(self.fd, self._readable)
+        except BaseException:
+            self._close_fd()
+            raise
+        self.attached = True
+
+    async def answer(self, pgconn: Any) -> None:
+        """Wait until ``pgconn`` has a result to give (or its connection failed). The input
+        is read in the reader's callback, so the loop is not told twice of the same bytes."""
+        waiter = self.waiter = self.loop.create_future()
+        self.pgconn = pgconn
+        try:
+            await waiter
+        finally:
+            self.waiter = self.pgconn = None
+
+    def _readable(self) -> None:
+        waiter, pgconn = self.waiter, self.pgconn
+        if waiter is None:  # not ours to read (see the class docstring)
+            self.detach()
+            return
+        if waiter.done():  # cancelled; the caller has yet to see it
+            return
+        try:
+            pgconn.consume_input()
+        except psycopg.Error as exc:  # the connection is gone: libpq says so to the caller
+            self.detach()
+            waiter.set_exception(exc)
+            return
+        if not pgconn.is_busy():
+            waiter.set_result(None)
+
+    def detach(self) -> None:
+        """Stop watching and close the duplicate (in the loop's thread)."""
+        if self.attached:
+            self.attached = False
+            self.loop.remove_reader(self.fd)
+            self._close_fd()
 
 
 async def _ready(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool) -> None:

@@ -8,7 +8,6 @@ any size is one bulk insert and its callback one counter: each member's end is o
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -63,7 +62,7 @@ def with_parents(
     if row.unique_key is not None:
         raise InvalidJobError("a job cannot be both unique and run after other jobs")
     parents = tuple(int(p) for p in check_parents(after))  # one type: psycopg dumps a list of one
-    return dataclasses.replace(row, after=parents, after_failure=check_after_failure(after_failure))
+    return row._replace(after=parents, after_failure=check_after_failure(after_failure))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +102,7 @@ def chain(
     ids: list[Enqueued] = []
     for row in rows:
         if ids:
-            row = dataclasses.replace(row, after=(int(ids[-1]),), after_failure=after_failure)
+            row = row._replace(after=(int(ids[-1]),), after_failure=after_failure)
         ids.append(producer.insert(conn, q, row))
     return ids
 
@@ -135,8 +134,6 @@ def group(
         ids += [Enqueued(job_id) for job_id in sorted(r[0] for r in rows)]
     done = None
     if callback is not None:
-        row = dataclasses.replace(
-            callback, after=tuple(int(i) for i in ids), after_failure=after_failure
-        )
+        row = callback._replace(after=tuple(int(i) for i in ids), after_failure=after_failure)
         done = producer.insert(conn, q, row)
     return Group(ids, done)

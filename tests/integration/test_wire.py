@@ -1,11 +1,14 @@
 """The single-job INSERT sent straight through libpq (pgqueue/wire.py): the same rows and the
 same errors as psycopg's general path, prepared once per connection and again when code that
 borrowed the connection deallocated it, and a cancelled or cut-off call never leaves a busy
-connection in the pool."""
+connection in the pool. The loop's reader on a pooled connection's socket (wire._Watcher)
+outlives one call: it never reads another user's answer, lets go of a connection the server
+ended or another thread closed, and never outlives its loop."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -15,8 +18,8 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue import DatabaseUnavailableError
-from tests.helpers import wait_until
+from pgqueue import DatabaseUnavailableError, wire
+from tests.helpers import wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -176,3 +179,139 @@ def test_a_name_the_general_path_refuses_is_refused_the_same(app: pgqueue.App) -
     with pytest.raises(pgqueue.InvalidJobError, match="NUL"):
         app.enqueue("t\x00x", {}, allow_unknown=True)
     assert app.enqueue("t", {}, allow_unknown=True) > 0
+
+
+# --- the reader kept on a pooled connection's socket between calls ------------------------------
+
+needs_proc = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd"
+)
+PRODUCERS = (
+    "SELECT {} FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
+def descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def producers(conn: Conn, *, terminate: bool = False) -> int:
+    what = "pg_terminate_backend(pid)" if terminate else "pid"
+    return len(conn.execute(PRODUCERS.format(what)).fetchall())
+
+
+@needs_proc
+def test_a_statement_through_psycopg_on_a_watched_connection_gets_its_answer(
+    app: pgqueue.App,
+) -> None:
+    """The watcher sees that answer arrive too: it lets go without reading it (psycopg's own
+    wait would otherwise never hear of it), and the next enqueue watches the socket again."""
+
+    async def scenario() -> None:
+        before = descriptors()
+        first = await app.enqueue_async("t", {}, allow_unknown=True)
+        assert descriptors() == before + 2  # the connection's socket and the watcher's copy
+        pool = await app._async_pool()
+        borrowed = await pool.take()  # the connection the enqueue used and watches
+        cursor = await asyncio.wait_for(borrowed.execute("SELECT 42"), 30)
+        assert await cursor.fetchone() == (42,)
+        pool.give_back(borrowed)
+        await wait_until_async(lambda: descriptors() == before + 1)
+        assert await app.enqueue_async("t", {}, allow_unknown=True) > first
+        assert descriptors() == before + 2
+
+    asyncio.run(scenario())
+
+
+@needs_proc
+def test_a_watched_connection_the_server_ends_while_idle_is_let_go(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Its socket stays readable (the goodbye, then the end of the stream): the watcher stops
+    watching it at once rather than waking the loop forever, and the next call goes to a fresh
+    connection."""
+
+    async def scenario() -> None:
+        before = descriptors()
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        assert producers(conn, terminate=True) == 1
+        wait_until(lambda: producers(conn) == 0, what="the producer's session gone")
+        await wait_until_async(lambda: descriptors() == before + 1)
+        assert await asyncio.wait_for(app.enqueue_async("t", {}, allow_unknown=True), 30) > 0
+        assert descriptors() == before + 2
+
+    asyncio.run(scenario())
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (2,)
+
+
+@needs_proc
+def test_closing_the_app_from_another_thread_ends_a_watched_connection(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """``App.close()`` may run in any thread: the session ends at once, and the loop's watcher
+    lets go of the socket's copy when it hears of it, in the loop's own thread."""
+
+    async def scenario() -> None:
+        before = descriptors()
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        closer = threading.Thread(target=app.close)
+        closer.start()
+        closer.join(30)
+        wait_until(lambda: producers(conn) == 0, what="the producer's session gone")
+        await wait_until_async(lambda: descriptors() == before)
+        assert await asyncio.wait_for(app.enqueue_async("t", {}, allow_unknown=True), 30) > 0
+        assert descriptors() == before + 2 and producers(conn) == 1
+
+    asyncio.run(scenario())
+
+
+@needs_proc
+def test_a_watcher_does_not_outlive_its_loop(dsn: str, conn: Conn) -> None:
+    """A connection whose reader was on a loop that has closed is watched afresh on the next
+    loop, and the old copy of its socket is closed."""
+    statement = wire.statement(pgqueue.App(dsn).q.insert_job)
+    params: list[bytes | None] = [b"default", b"t", b"{}", b"0", None, b"0.0", b"1", None, None]
+    before = descriptors()
+    aconn = asyncio.run(psycopg.AsyncConnection.connect(dsn, autocommit=True))
+    try:
+        first = asyncio.run(asyncio.wait_for(wire.insert_async(aconn, statement, params), 30))
+        second = asyncio.run(asyncio.wait_for(wire.insert_async(aconn, statement, params), 30))
+        assert second > first
+        assert descriptors() == before + 2
+    finally:
+        aconn.pgconn.finish()
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (2,)
+
+
+@needs_proc
+def test_a_call_cancelled_after_its_answer_was_read_leaves_no_busy_connection(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The watcher reads the answer in its callback; a cancellation that lands before the call
+    resumes leaves the results unfetched on the connection: the pool closes it, the watcher
+    lets go of its socket, and the next call gets a fresh connection. The job was committed,
+    as with any call cancelled once its statement was sent."""
+
+    async def scenario() -> None:
+        before = descriptors()
+        await app.enqueue_async("t", {}, allow_unknown=True)
+        pool = await app._async_pool()
+        borrowed = await pool.take()  # the connection the next call will use, and its watcher
+        pool.give_back(borrowed)
+        session = wire._sessions[borrowed.pgconn]
+        call = asyncio.ensure_future(app.enqueue_async("t", {}, allow_unknown=True))
+        # The callback that reads the answer runs after this coroutine in a pass of the loop,
+        # and wakes the call in the next pass, after this coroutine again.
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (session.watcher and session.watcher.waiter and session.watcher.waiter.done()):
+            assert asyncio.get_running_loop().time() < deadline, "no answer read"
+            await asyncio.sleep(0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert borrowed.closed
+        await wait_until_async(lambda: descriptors() == before)
+        assert await asyncio.wait_for(app.enqueue_async("t", {}, allow_unknown=True), 30) > 0
+
+    asyncio.run(scenario())
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (3,)

@@ -425,3 +425,38 @@ def test_exact_float_writer_matches_the_fast_encoder(args: dict[str, Any]) -> No
     if "e+" not in fast:
         assert producer._exact_json(args) == fast
     assert json.loads(producer._exact_json(args)) == args
+
+
+_any_text = st.text()  # NUL and lone surrogates included
+_scalar = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**4200, max_value=10**4400)  # beyond int-to-str's digit limit
+    | st.floats()  # NaN, infinities and 1e16 and more included
+    | _any_text
+    | st.sampled_from(["a\x00b", "\\u0000", "lone \ud800", "1e+16", "é ✓"])
+)
+_name = _identifier | _any_text | st.integers(max_value=3)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(_name, _scalar, max_size=5), st.sampled_from([40, DEFAULT_MAX_PAYLOAD]))
+def test_flat_arguments_take_a_shortcut_to_the_same_text_or_error(
+    args: dict[Any, Any], limit: int
+) -> None:
+    """Plain scalar arguments skip the walk (``_flat_json``): whatever they hold, the outcome is
+    the walk's, the same text or the same InvalidJobError."""
+
+    def outcome(shortcut: bool) -> str:
+        original = producer._flat_json
+        if not shortcut:
+            producer._flat_json = lambda args, limit: None  # type: ignore[assignment]
+        try:
+            return serialize_args(args, limit)
+        except InvalidJobError as exc:
+            return f"refused: {exc}"
+        finally:
+            producer._flat_json = original
+
+    assert outcome(shortcut=True) == outcome(shortcut=False)
