@@ -19,7 +19,7 @@ import psycopg
 from .errors import InvalidJobError
 from .jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS, Enqueued
 from .sql import Queries
-from .unique import UniqueRule, key_for
+from .unique import UniqueRule, key_for, plain_mapping
 
 MAX_QUEUE_LENGTH = 128
 MAX_TASK_LENGTH = 256
@@ -149,7 +149,9 @@ def _copy_escape(name: str) -> str:
 
 
 # One encoder for every job (json.dumps with options builds a new one per call).
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=plain_mapping
+)
 
 
 def check_name(kind: str, value: object, limit: int) -> str:

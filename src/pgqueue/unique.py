@@ -144,7 +144,18 @@ def combine(
 
 
 # Keys sorted at every level, so the same arguments in any order make the same key.
-_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+def plain_mapping(value: object) -> object:
+    """For the JSON encoders (here and in the producer): a mapping other than a dict
+    (``MappingProxyType``, a read-only view), which the argument checks accept and json cannot
+    encode, as a dict."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=plain_mapping
+)
 
 
 def _digest(value: Any) -> str:

@@ -498,3 +498,26 @@ def test_a_bulk_enqueue_refused_as_read_only_is_not_replayed_but_says_nothing_wa
         app.close()
     assert not info.value.uncertain
     assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+
+
+def test_read_only_mappings_are_written_as_the_dicts_they_show(
+    app: pgqueue.App, conn: psycopg.Connection[Any]
+) -> None:
+    """A MappingProxyType (arguments, a nested value, meta) passes the checks as the mapping it
+    is: it is stored as JSON like a dict, and a unique job's key is the dict's, where it once
+    raised json's TypeError with a traceback."""
+    from types import MappingProxyType
+
+    @app.task(unique=True)
+    def tagged(user: str, tags: dict[str, int]) -> None: ...
+
+    plain = {"user": "ana", "tags": {"a": 1}}
+    first = app.enqueue(
+        "tagged",
+        MappingProxyType({"user": "ana", "tags": MappingProxyType({"a": 1})}),
+        meta=MappingProxyType({"from": "web"}),
+    )
+    again = tagged.enqueue(**plain)
+    assert again == first and again.duplicate  # the same key as the dict's
+    stored = conn.execute("SELECT args, meta FROM pgqueue_jobs WHERE id = %s", (first,)).fetchone()
+    assert stored == (plain, {"from": "web"})
