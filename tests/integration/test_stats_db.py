@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 import pytest
 
 from pgqueue import stats
-from pgqueue.worker.statistics import StatsWriter
 
 
 async def _connect(dsn: str) -> psycopg.AsyncConnection[Any]:
@@ -129,38 +125,3 @@ def test_prune_stats_drops_rows_older_than_the_window(dsn: str) -> None:
             return int(s[0]), int(d[0])
 
     assert asyncio.run(scenario()) == (1, 1)
-
-
-class OneConnection:
-    """A worker lane over one connection."""
-
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        self.conn = conn
-
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        yield self.conn
-
-
-def test_a_slow_depth_sample_is_not_taken_again_for_fifty_times_what_it_took(
-    dsn: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While a long transaction holds back vacuum, the count walks every index entry it keeps
-    and takes longer by the minute: a sample that took 0.1 s waits 50 times that (jittered by
-    half either way, one worker), not the usual second."""
-    count = stats.sample_depth
-
-    async def slow(conn: psycopg.AsyncConnection[Any], schema: str) -> None:
-        await conn.execute("SELECT pg_sleep(0.1)")
-        await count(conn, schema)
-
-    monkeypatch.setattr(stats, "sample_depth", slow)
-
-    async def next_sample_in() -> float:
-        async with await _connect(dsn) as conn:
-            recorder = stats.StatsRecorder("public", uuid.uuid4())
-            writer = StatsWriter(OneConnection(conn), recorder, "public")
-            await writer.write(0)
-            return writer._sample_at - time.monotonic()
-
-    assert asyncio.run(next_sample_in()) > 2.0

@@ -1,9 +1,7 @@
 """Writes this worker's per-second aggregates (counts, latency histograms) and the shared depth
 sample: one small statement per second, never one per job. The depth sample is the fleet's
 (one per second across workers), so each worker offers one about every second times the live
-workers (``spread``), and no sooner than ``DEPTH_COST_RATIO`` times what its last one took: while
-a long transaction holds back vacuum, the count walks every index entry it keeps (268 ms after
-150 s at 2,000 jobs/s, growing with the held time), and one a second would take a core."""
+workers (``spread``)."""
 
 from __future__ import annotations
 
@@ -20,9 +18,6 @@ from .outage import Outage
 from .state import pause, round_failed, spread
 
 log = logging.getLogger("pgqueue.worker.stats")
-
-#: The depth sample's share of one core, fleet-wide, is at most about 1 / DEPTH_COST_RATIO.
-DEPTH_COST_RATIO = 50.0
 
 
 class StatsWriter:
@@ -56,11 +51,7 @@ class StatsWriter:
         async with self.pool.connection() as conn:
             await self.recorder.flush(conn)
             if sample:
-                took = time.monotonic()
                 await stats.sample_depth(conn, self.schema)
-                took = time.monotonic() - took
-                later = spread(DEPTH_COST_RATIO * took, self.fleet())
-                self._sample_at = max(self._sample_at, now + later)
             if prune:
                 await stats.prune_stats(conn, self.schema, older_than_seconds=self.retention)
 
