@@ -742,6 +742,44 @@ SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta
        priority, run_at::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
+-- name: claim_jobs_before
+-- What claim_jobs_after misses: the jobs of its bound's priority that became ready behind the
+-- bound (a released or reaped job, a past run_at, a resumed queue, a producer's transaction that
+-- committed after later ones), claimed by the fetcher's sweep on a connection of its own, off the
+-- claim path (fetcher.py). Its walk from the start of that priority visits every entry a held
+-- snapshot keeps (the cost claim_jobs_after avoids), so it runs once a period, and from where its
+-- last batch ended (%(from_run_at)s, %(from_id)s: -infinity and 0 for the start) when that came
+-- back full. One ordered range scan of pgqueue_jobs_ready_idx between the two row comparisons;
+-- the rest is claim_jobs' (its LIMIT hidden or not the same way); rendered twice like it.
+WITH claimed AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
+    WHERE j.id = ANY(ARRAY(
+        SELECT id FROM {schema}.pgqueue_jobs
+        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+          AND priority = %(after_priority)s::int
+          AND (run_at, id) > (%(from_run_at)s::timestamptz, %(from_id)s::bigint)
+          AND (run_at, id) < (%(after_run_at)s::timestamptz, %(after_id)s::bigint)
+          AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
+                                       WHERE paused OR concurrency_limit IS NOT NULL
+                                             OR rate_limit IS NOT NULL))
+          AND limit_key IS NULL
+          AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
+          AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
+                      WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
+        ORDER BY priority DESC, run_at, id
+        LIMIT {claim_limit}
+        FOR UPDATE SKIP LOCKED
+    ))
+    RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
+              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
+              j.priority, j.run_at, j.meta
+)
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
+       priority, run_at::text
+FROM claimed ORDER BY priority DESC, run_at, id
+
 -- name: claim_position
 -- Where a claim from the start ended, when it was slow: the last claimed job's place in claim
 -- order (claim_jobs_after's first bound). A primary-key probe, only when claims turn slow, so the

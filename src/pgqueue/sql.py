@@ -61,6 +61,10 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         {**IN_QUEUES, "claim_limit": "%(limit)s"},
     ),
     "claim_jobs_after_in_queues": ("claim_jobs_after", {**IN_QUEUES, "claim_limit": "%(limit)s"}),
+    "claim_jobs_before_in_queues": (
+        "claim_jobs_before",
+        {**IN_QUEUES, "claim_limit": "%(limit)s"},
+    ),
     "next_ready_at_in_queues": ("next_ready_at", IN_QUEUES),
     "complete_jobs_skip_locked": (
         "complete_jobs",
@@ -162,6 +166,8 @@ class Queries:
     claim_jobs_by_priority_in_queues: bytes
     claim_jobs_after: bytes
     claim_jobs_after_in_queues: bytes
+    claim_jobs_before: bytes
+    claim_jobs_before_in_queues: bytes
     claim_position: bytes
     vacuum_horizon_holder: bytes
     begin_limited_claim: bytes

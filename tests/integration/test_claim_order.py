@@ -7,7 +7,7 @@ later run_at: that one walks the distinct priorities instead of the index entrie
 of a higher priority, however many, cost it a few index descents (see claim_jobs_by_priority in
 queries.sql). The one a worker uses while a long transaction holds back vacuum
 (claim_jobs_after) takes the same, but for the jobs of its bound's priority at or before the
-bound.
+bound; its sweep (claim_jobs_before) takes those, from where its last batch ended.
 ``next_ready_at`` tells an idle worker how long until the next delayed job is due.
 """
 
@@ -79,6 +79,17 @@ WHERE status IN ('queued', 'retrying') AND run_at <= now()
            AND (run_at, id) <= (%(after_run_at)s::timestamptz, %(after_id)s))
 ORDER BY priority DESC, run_at, id
 """
+#: What the sweep behind the bound takes (claim_jobs_before): the jobs of the bound's priority
+#: strictly between where the sweep's last batch ended and the bound.
+REFERENCE_BEFORE = """
+SELECT id FROM pgqueue_jobs
+WHERE status IN ('queued', 'retrying') AND run_at <= now()
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  AND priority = %(after_priority)s
+  AND (run_at, id) > (%(from_run_at)s::timestamptz, %(from_id)s)
+  AND (run_at, id) < (%(after_run_at)s::timestamptz, %(after_id)s)
+ORDER BY priority DESC, run_at, id
+"""
 #: A bound where some job is (any status: the last claimed job's place), or where none is.
 BOUND = """
 SELECT priority, run_at::text, id FROM pgqueue_jobs ORDER BY id OFFSET %(n)s LIMIT 1
@@ -120,7 +131,7 @@ def claim_params(limit: int, queues: list[str] | None) -> dict[str, Any]:
     return params
 
 
-@pytest.mark.parametrize("statement", ["plain", "by_priority", "after"])
+@pytest.mark.parametrize("statement", ["plain", "by_priority", "after", "before"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
     conn: Conn, dsn: str, layout: str, statement: str
@@ -140,6 +151,8 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
                 claimer.execute(f"SET LOCAL plan_cache_mode = {mode}".encode())
                 if statement == "after":
                     reference = claimer.execute(REFERENCE_AFTER, {"queues": queues, **bound})
+                elif statement == "before":
+                    reference = claimer.execute(REFERENCE_BEFORE, {"queues": queues, **bound})
                 else:
                     reference = claimer.execute(REFERENCE, {"queues": queues})
                 expected = [r[0] for r in reference.fetchall() if r[0] not in held][:limit]
@@ -151,6 +164,8 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
                     )
                 elif statement == "after":
                     sql = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
+                elif statement == "before":
+                    sql = q.claim_jobs_before if queues is None else q.claim_jobs_before_in_queues
                 else:
                     sql = q.claim_jobs if queues is None else q.claim_jobs_in_queues
                 params = {**claim_params(limit, queues), **bound}
@@ -165,16 +180,19 @@ def test_claims_take_due_jobs_in_order_and_lock_nothing_beyond_the_batch(
 
         @settings(max_examples=100, deadline=None, database=None)
         @given(rows=LAYOUTS[layout], limit=st.integers(1, 60), queues=queue_lists,
-               at=st.integers(0, 200))  # fmt: skip
+               at=st.integers(0, 200), since=st.integers(-1, 200))  # fmt: skip
         def same_as_the_plain_select(
-            rows: list[Row], limit: int, queues: list[str] | None, at: int
+            rows: list[Row], limit: int, queues: list[str] | None, at: int, since: int
         ) -> None:
             ids = fill(conn, rows)
             held = [i for i, row in zip(ids, rows, strict=True) if row[4]]
             found = conn.execute(BOUND, {"n": at}).fetchone()
             after_priority, after_run_at, after_id = found or (0, "2000-01-01 00:00:00+00", 0)
+            # The sweep's own start: the start of the priority (-1), or where a batch ended.
+            swept = conn.execute(BOUND, {"n": since}).fetchone() if since >= 0 else None
             bound = {"after_priority": after_priority, "after_run_at": after_run_at,
-                     "after_id": after_id}  # fmt: skip
+                     "after_id": after_id, "from_run_at": swept[1] if swept else "-infinity",
+                     "from_id": swept[2] if swept else 0}  # fmt: skip
             for mode in ("force_generic_plan", "force_custom_plan"):
                 claim(ids, held, limit, queues, mode, bound)
 

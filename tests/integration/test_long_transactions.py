@@ -2,8 +2,9 @@
 
 A snapshot held open elsewhere keeps every claimed job's entry in the ready index, so a worker
 whose claims from the start turn slow claims from where its last claim ended
-(``claim_jobs_after``) and from the start again at least every ``BOUND_RESET`` seconds. These
-tests force that mode (every claim from the start counts as slow) under a real held snapshot
+(``claim_jobs_after``), and a sweep beside those claims takes the jobs that became ready behind
+that point (``claim_jobs_before``) at least every ``BOUND_RESET`` seconds. These
+tests force that mode (every walk from the start counts as slow) under a real held snapshot
 and check correctness, not speed: every job runs once, whatever made it ready (a backlog, a
 higher priority, a delay, a retry, a requeue, a reap, a past run_at, a resumed queue), and the
 worker names the transaction in its log, once, and says when claims are fast again.
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import Any
 
@@ -36,8 +38,8 @@ BACKLOG = 3000
 
 @pytest.fixture
 def claims_after_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every claim from the start of the index counts as slow: the worker claims from where its
-    last claim ended, and from the start again every half second."""
+    """Every walk from the start of the index counts as slow: the worker claims from where its
+    last claim ended, and sweeps behind that point every half second."""
     monkeypatch.setattr(fetcher, "SLOW_CLAIM", 0.0)
     monkeypatch.setattr(fetcher, "BOUND_RESET", 0.5)
     monkeypatch.setattr(fetcher, "BOUND_RESET_RATIO", 1.0)
@@ -205,12 +207,12 @@ async def test_a_slow_claim_names_the_transaction_holding_back_vacuum_once(
         claims = worker.fetcher
         app.enqueue_many([("noop", {"n": n}) for n in range(50)])
         await wait_until_async(lambda: lines("claims slowed"), timeout=30)
-        # More claims from the start, each as slow as the first: no second warning.
-        from_start = claims.claims - claims.claims_after
+        # More walks from the start (sweeps), each as slow as the first: no second warning.
+        swept = claims.sweeps_run
         for done in (100, 150):
             app.enqueue_many([("noop", {"n": n}) for n in range(50)])
             await wait_until_async(partial(succeeded, conn, done))
-        await wait_until_async(lambda: claims.claims - claims.claims_after >= from_start + 3)
+        await wait_until_async(lambda: claims.sweeps_run >= swept + 3)
         (warning,) = lines("claims slowed")
         assert f"pid {holder} " in warning and "'nightly-report'" in warning, warning
         assert "idle in transaction" in warning
@@ -227,3 +229,55 @@ async def test_a_slow_claim_names_the_transaction_holding_back_vacuum_once(
     assert lines("claims are fast again") == [
         f"claims are fast again: vacuum is no longer held back (pid {holder} was named)"
     ]
+
+
+class HeldSweeps:
+    """The sweep's connections, held up at the door until the test opens it."""
+
+    def __init__(self, lane: Any) -> None:
+        self.lane = lane
+        self.entered = asyncio.Event()
+        self.opened = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        self.entered.set()
+        await self.opened.wait()
+        async with self.lane.connection() as conn:
+            yield conn
+
+
+async def test_a_job_ready_behind_the_bound_is_swept_while_the_claims_go_on(
+    app: pgqueue.App, conn: Conn, claims_after_bound: None, snapshot: Conn
+) -> None:
+    """The walk from the start of the index, slow while vacuum is held back, is the sweep's: the
+    claims never wait for it (jobs enqueued while it is held up still start), and the job that
+    became ready behind the claims' bound (a past run_at, as a reaped or released job has) is
+    claimed by it."""
+    started: list[int] = []  # the n of each job, as it starts
+
+    @app.task
+    async def work(n: int) -> None:
+        started.append(n)
+        await asyncio.sleep(0.001)
+
+    app.enqueue_many([("work", {"n": n}) for n in range(300)])
+    async with running_worker(app, concurrency=4, **FAST) as worker:
+        claims = worker.fetcher
+        await wait_until_async(lambda: claims.claims_after > 0 and len(started) >= 50)
+        held = HeldSweeps(claims.sweeps)
+        claims.sweeps = held
+        try:
+            await asyncio.wait_for(held.entered.wait(), 30)
+            app.enqueue(
+                "work", {"n": -1},
+                run_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1),
+            )  # fmt: skip
+            app.enqueue_many([("work", {"n": n}) for n in range(1000, 1050)])
+            await wait_until_async(lambda: set(range(1000, 1050)) <= set(started), timeout=60)
+            # The premise: no claim but the sweep reads behind the bound, and it is held up.
+            assert -1 not in started
+        finally:
+            held.opened.set()
+        await wait_until_async(lambda: -1 in started, timeout=60)
+    assert statuses(conn) == {"succeeded": 351}

@@ -4,7 +4,8 @@ A worker needs one connection to do everything (claims, acks, heartbeats, mainte
 runs best with one per lane, so that an ack never waits behind a claim or a reaper round:
 
 - ``claims`` (the fetcher), ``acks`` (the completer), ``heartbeat`` and ``maintenance`` (reaper,
-  scheduler, statistics, wake-ups), each using at most one connection at a time; when they
+  scheduler, statistics, wake-ups, and the fetcher's sweep while a long transaction holds back
+  vacuum), each using at most one connection at a time; when they
   share, the heartbeat takes the first connection that comes free, ahead of the others, so a
   lease is extended in time whatever the other lanes do;
 - the LISTEN connection, the first extra (``reserve_listen``): without it the worker polls.

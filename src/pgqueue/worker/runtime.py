@@ -337,6 +337,7 @@ class Worker:
             start=self._start,
             wake=self.wake,
             schema=self.app.schema,
+            sweeps=pool.lane("maintenance"),
         )
         self.heartbeat = Heartbeat(
             pool.lane("heartbeat"),
