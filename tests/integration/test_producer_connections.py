@@ -517,7 +517,7 @@ def test_read_only_mappings_are_written_as_the_dicts_they_show(
         MappingProxyType({"user": "ana", "tags": MappingProxyType({"a": 1})}),
         meta=MappingProxyType({"from": "web"}),
     )
-    again = tagged.enqueue(**plain)
+    again = tagged.enqueue(user="ana", tags={"a": 1})
     assert again == first and again.duplicate  # the same key as the dict's
     stored = conn.execute("SELECT args, meta FROM pgqueue_jobs WHERE id = %s", (first,)).fetchone()
     assert stored == (plain, {"from": "web"})

@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from pgqueue.sql import queries
+from pgqueue.worker.connections import Connections
 from pgqueue.worker.fetcher import Fetcher
 from pgqueue.worker.state import ClaimedJob, WorkerState
 from tests.helpers import wait_until_async
@@ -31,7 +32,7 @@ def fetcher_with_claims(state: WorkerState) -> tuple[Fetcher, list[int]]:
         claims.append(limit)
         return []
 
-    async def next_due_in() -> float | None:
+    async def next_due_in(pool: Connections | None = None) -> float | None:
         return None
 
     fetcher.claim = claim  # type: ignore[method-assign]
