@@ -73,3 +73,15 @@ async def test_a_job_due_soon_is_claimed_when_due_without_a_notification() -> No
         stopping.set()
         state.wakeup.set()
         await asyncio.wait_for(task, 5)
+
+
+def test_a_sweep_in_flight_never_leaves_a_slot_idle() -> None:
+    """A sweep sets aside part of the claim budget, taken when the prefetch target was large
+    (a backlog draining). Once the backlog is gone the target falls to nothing; free slots are
+    still claimed for while the sweep walks, where the budget once stayed below zero and every
+    claim waited for the sweep (seen as a 60 s stall under load)."""
+    state = WorkerState(concurrency=4, prefetch=256)
+    fetcher, _ = fetcher_with_claims(state)
+    fetcher._reserved = 50  # what a sweep set aside when the claims wanted 100
+    assert fetcher.buffer_target(0.0) == 0  # nothing finished lately: no prefetch
+    assert fetcher.wanted(0.0) == 4

@@ -216,7 +216,11 @@ class Fetcher:
         if len(state.held) - state.running - len(state.buffer) > state.concurrency + state.prefetch:
             return 0  # back-pressure: results are piling up faster than they can be written
         target = self.buffer_target(now)
-        budget = state.concurrency + target - state.running - len(state.buffer) - self._reserved
+        free = state.concurrency - state.running - len(state.buffer)
+        # The sweep's share comes out of the prefetch, never out of idle slots: set aside when
+        # the buffer's target was large, it would otherwise stop every claim once the target
+        # shrinks (the backlog drained) until the sweep ends.
+        budget = max(free + target - self._reserved, free)
         if budget <= 0:
             return 0
         if state.free_slots > 0 and not state.buffer:
