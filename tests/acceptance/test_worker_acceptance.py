@@ -296,7 +296,7 @@ def test_workers_survive_a_postgresql_crash_restart(
     app = pgqueue.App(dsn)
     try:
         for _ in range(2):
-            procs.start("--concurrency", "5", "--lease", "5")
+            procs.start("--concurrency", "5", "--lease", "10")  # a restart under load: 3-4 s
         with psycopg.connect(dsn, autocommit=True) as conn:
             registered(conn, 2)
             enqueue(app, 400, seconds=0.05)

@@ -289,15 +289,16 @@ class Heartbeat:
             beat_at = time.monotonic() + self.interval
             while self.fleet_changing and not stopping.is_set():
                 await pause(stopping, min(FLEET_SETTLE, max(beat_at - time.monotonic(), 0.0)))
-                if time.monotonic() >= beat_at:
+                left = beat_at - time.monotonic()
+                if left <= 0:
                     break
-                await self._look_at_fleet_safely()
+                await self._look_at_fleet_safely(left)  # never past the next beat's time
             await pause(stopping, max(beat_at - time.monotonic(), 0.0))
 
-    async def _look_at_fleet_safely(self) -> None:
+    async def _look_at_fleet_safely(self, within: float | None = None) -> None:
         try:
             async with self.pool.connection() as conn:
-                await asyncio.wait_for(self.look_at_fleet(conn), self.interval)
+                await asyncio.wait_for(self.look_at_fleet(conn), within or self.interval)
         except Exception as exc:
             log.debug("could not count the fleet (%s); the next beat will", exc)
 
