@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 from playwright.sync_api import Browser, FloatRect, Page, expect
 
-from tests.browser.conftest import _open
-from tests.dashboard_data import plant
+from tests.browser.conftest import _open, _refresh
+from tests.dashboard_data import WORKER_OK, plant
 from tests.helpers import wait_until
 
 PHONE = {"width": 390, "height": 844}
@@ -264,3 +264,61 @@ def test_at_a_phone_width_nothing_overflows_and_everything_reads(
         # The diagram keeps a readable size (and scrolls); its text is about 10 px or more.
         svg = _box(page, "#p-how svg")
         assert svg["width"] * 13 / 964 >= 10, svg
+
+
+LISTS = ("#workers li", "#queues tr", "#running tr", "#problems tr", "#schedules tr", "#feed li")
+
+
+def test_a_refresh_keeps_the_rows_it_shows_and_changes_only_what_changed(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Every refresh rebuilt every list, pulling rows out from under the cursor (a test's click
+    on a job link and a measure of the last worker's row were lost that way)."""
+    plant(conn)
+    _open(page, base_url)
+    expect(page.locator("#running tr")).to_have_count(2)
+    marked = page.evaluate(
+        "(lists) => { let n = 0; for (const s of lists) for (const node of"
+        " document.querySelectorAll(s)) { node.__kept = true; n++; } return n; }",
+        list(LISTS),
+    )
+    assert marked >= 12
+    before = _refresh(page)
+    conn.execute("UPDATE pgqueue_workers SET concurrency = 9 WHERE id = %s", (WORKER_OK,))
+    new = conn.execute(
+        "INSERT INTO pgqueue_jobs (queue, task, args, status, attempts, max_attempts, last_error,"
+        " finished_at) VALUES ('emails', 'send_email', '{}', 'dead', 5, 5, 'RuntimeError: new',"
+        " now()) RETURNING id"
+    ).fetchone()
+    assert new is not None
+    wait_until(lambda: _refresh(page) >= before + 2)
+    # The changed worker shows its new figure in the row that was there.
+    expect(page.locator("#workers li", has_text="web-1")).to_contain_text("/ 9 leases")
+    expect(page.locator("#problems tr[data-job].dead")).to_have_count(2)
+    fresh = page.evaluate(
+        "(lists) => lists.flatMap((s) => [...document.querySelectorAll(s)]"
+        ".filter((n) => !n.__kept).map((n) => s + ': ' + n.textContent.slice(0, 60)))",
+        list(LISTS),
+    )
+    # Only what tells of the new job is new: its Problems row and its events in the feed.
+    assert fresh and all(f"#{new[0]}" in node for node in fresh), fresh
+    assert any(node.startswith("#problems") for node in fresh), fresh
+
+
+def test_a_click_on_a_job_link_survives_a_refresh_between_press_and_release(
+    page: Page, base_url: str, conn: psycopg.Connection[Any]
+) -> None:
+    plant(conn)
+    _open(page, base_url)
+    link = page.locator("#running a.job-link").first
+    expect(link).to_be_visible()
+    href = link.get_attribute("href")
+    link.scroll_into_view_if_needed()
+    box = link.bounding_box()
+    assert box is not None and href
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    before = _refresh(page)
+    wait_until(lambda: _refresh(page) > before)
+    page.mouse.up()
+    page.wait_for_url("**/" + href)

@@ -46,6 +46,43 @@
   function jobCell(id) { const td = cell("", "num"); td.append(jobLink(id)); return td; }
   function setText(id, text) { const node = $(id); if (node.textContent !== text) node.textContent = text; }
 
+  // --- keeping rows ----------------------------------------------------------------------
+  // A refresh brings every list anew; rebuilding its rows would pull them out from under the
+  // cursor (a click between mousedown and mouseup lost, a hover or a text selection gone).
+  // Instead the rows already shown are kept and brought up to date: a row with a data-key keeps
+  // its node while its key is listed, one without is matched by position. A row with listeners
+  // must carry a key that decides what they do (they are kept with it).
+  function sameKind(a, b) {
+    return a.nodeType === b.nodeType && a.nodeName === b.nodeName
+      && (a.nodeType !== 1 || a.dataset.key === b.dataset.key);
+  }
+  function morph(old, next) {
+    // Styles are set through the CSSOM after a render (the CSP forbids style attributes): left alone.
+    for (const { name } of [...old.attributes]) if (name !== "style" && !next.hasAttribute(name)) old.removeAttribute(name);
+    for (const { name, value } of next.attributes) if (name !== "style" && old.getAttribute(name) !== value) old.setAttribute(name, value);
+    const a = old.childNodes, b = next.childNodes;
+    if (a.length !== b.length || [...a].some((n, i) => !sameKind(n, b[i]))) { old.replaceChildren(...b); return; }
+    for (let i = 0; i < a.length; i++) {
+      if (a[i].nodeType === 1) morph(a[i], b[i]);
+      else if (a[i].nodeValue !== b[i].nodeValue) a[i].nodeValue = b[i].nodeValue;
+    }
+  }
+  function patch(parent, nodes) {
+    const keyed = new Map(), loose = [];
+    for (const node of parent.children) if (node.dataset.key) keyed.set(node.dataset.key, node); else loose.push(node);
+    let place = 0;  // rows without a key are matched in order among themselves
+    const out = nodes.map((next) => {
+      const old = next.dataset.key ? keyed.get(next.dataset.key) : loose[place++];
+      if (!old || !sameKind(old, next)) return next;
+      if (next.dataset.key) keyed.delete(next.dataset.key);
+      morph(old, next);
+      return old;
+    });
+    const kept = new Set(out);
+    for (const node of [...parent.childNodes]) if (!kept.has(node)) node.remove();
+    out.forEach((node, i) => { if (parent.children[i] !== node) parent.insertBefore(node, parent.children[i] || null); });
+  }
+
   // --- connection state ------------------------------------------------------------------
   function setConn(kind, text, reason) {
     const conn = $("conn");
@@ -259,8 +296,9 @@
   // --- lists -----------------------------------------------------------------------------
   function renderWorkers(workers, lateAfter) {
     $("workers-empty").hidden = workers.length > 0;
-    $("workers").replaceChildren(...workers.map((w) => {
+    patch($("workers"), workers.map((w) => {
       const li = el("li", w.late ? "late" : "");
+      li.dataset.key = w.id;
       li.dataset.heartbeat = String(w.heartbeat_age);
       const who = el("span", "who", w.host + " · pid " + w.pid);
       if (w.late) {
@@ -289,13 +327,14 @@
 
   function renderFeed(feed) {
     const list = $("feed");
-    if (!feed.length) { list.replaceChildren(el("li", "empty", "Waiting for jobs…")); return; }
+    if (!feed.length) { patch(list, [el("li", "empty", "Waiting for jobs…")]); return; }
     const first = state.seenFeed.size === 0;
     const seen = new Set();
-    list.replaceChildren(...feed.map((e) => {
+    patch(list, feed.map((e) => {
       const key = e.id + ":" + e.event + ":" + e.at;
       seen.add(key);
       const li = el("li", !first && !state.seenFeed.has(key) ? "new" : "");
+      li.dataset.key = key;
       li.append(el("span", "ev " + e.event, e.event));
       const what = el("span", "what");
       what.append(jobLink(e.id), " " + e.task + " · " + e.queue + (e.attempt > 1 ? " · attempt " + e.attempt : ""));
@@ -340,9 +379,10 @@
     const note = queue !== null && total > rows.length
       ? [filterNote(7, "showing " + fmtInt(rows.length) + " of its " + fmtInt(total) + ": the dashboard lists the " + LIST_LIMIT + " longest-running jobs across every queue")]
       : [];
-    if (!rows.length) { body.replaceChildren(emptyRow(7, queue === null ? "Nothing is running right now" : "Nothing of queue " + queue + " is running right now"), ...note); return; }
-    body.replaceChildren(...note, ...rows.map((r) => {
+    if (!rows.length) { patch(body, [emptyRow(7, queue === null ? "Nothing is running right now" : "Nothing of queue " + queue + " is running right now"), ...note]); return; }
+    patch(body, [...note, ...rows.map((r) => {
       const tr = el("tr");
+      tr.dataset.key = "job:" + r.id;
       const task = cell(r.task); task.append(el("span", "args mono", r.args));
       if (r.progress) task.append(progressBar(r.progress));
       if (r.parents || r.children) task.append(family(r));
@@ -351,7 +391,7 @@
       tr.append(jobCell(r.id), task, queueCell(r.queue), cell(shortId(r.worker), "mono"),
         cell(r.attempt + " / " + r.max_attempts, "num"), running, lease);
       return tr;
-    }));
+    })]);
   }
 
   async function loadError(id, pre) {
@@ -371,6 +411,7 @@
   function problemRow(r) {
     const tr = el("tr", r.status);
     tr.dataset.job = String(r.id);
+    tr.dataset.key = "job:" + r.id + ":" + r.status;
     const task = cell(r.task); task.append(el("span", "args mono", r.args));
     if (r.parents || r.children) task.append(family(r));
     const status = el("span", "pill " + r.status, r.status);
@@ -400,7 +441,7 @@
   function renderProblems(rows, counts) {
     setText("problem-counts", counts ? "· " + fmtInt(counts.dead) + " dead · " + fmtInt(counts.retrying) + " retrying" : "");
     const body = $("problems");
-    if (!rows.length && !(counts && (counts.dead || counts.retrying))) { body.replaceChildren(emptyRow(6, "Nothing here")); return; }
+    if (!rows.length && !(counts && (counts.dead || counts.retrying))) { patch(body, [emptyRow(6, "Nothing here")]); return; }
     const out = [];
     for (const [status, label, order, none] of PROBLEM_GROUPS) {
       const group = rows.filter((r) => r.status === status);
@@ -430,9 +471,9 @@
         });
         parts.push(button);
       }
-      if (parts.length) { const tr = el("tr", "more-row"); const td = cell(""); td.colSpan = 6; td.append(...parts); tr.append(td); out.push(tr); }
+      if (parts.length) { const tr = el("tr", "more-row"); tr.dataset.key = "more:" + status + ":" + open; const td = cell(""); td.colSpan = 6; td.append(...parts); tr.append(td); out.push(tr); }
     }
-    body.replaceChildren(...out);
+    patch(body, out);
   }
 
   // A table wider than its box scrolls sideways: say so (a shade and a hint on that side).
@@ -491,10 +532,11 @@
 
   function renderQueues(rows) {
     const body = $("queues");
-    if (!rows.length) { body.replaceChildren(emptyRow(10, "No queues yet")); return; }
-    body.replaceChildren(...rows.map((r) => {
+    if (!rows.length) { patch(body, [emptyRow(10, "No queues yet")]); return; }
+    patch(body, rows.map((r) => {
       const tr = el("tr", r.queue === state.queue ? "selected" : "");
       tr.dataset.queue = r.queue;
+      tr.dataset.key = "queue:" + r.queue;
       const link = el("a", "queue-link", r.queue);
       link.href = "?queue=" + encodeURIComponent(r.queue);
       link.title = "Show only this queue's running jobs and problems";
@@ -547,14 +589,15 @@
     strip.hidden = items.length === 0;
     strip.classList.toggle("quiet", warnings === 0);
     setText("health-title", warnings ? "Needs a look:" : "Note:");
-    $("health-list").replaceChildren(...items);
+    patch($("health-list"), items);
   }
 
   function renderSchedules(rows) {
     const body = $("schedules");
-    if (!rows.length) { body.replaceChildren(emptyRow(6, "No schedules")); return; }
-    body.replaceChildren(...rows.map((s) => {
+    if (!rows.length) { patch(body, [emptyRow(6, "No schedules")]); return; }
+    patch(body, rows.map((s) => {
       const tr = el("tr");
+      tr.dataset.key = "schedule:" + s.name;
       const name = cell(s.name);
       if (s.paused || s.enabled === false) name.append(" ", el("span", "pill paused", s.paused ? "paused" : "disabled"));
       tr.append(name, cell(s.cron, "mono"), cell(s.task), queueCell(s.queue), cell(fmtRelative(s.next_run), "num"), cell(fmtRelative(s.last_run), "num"));
