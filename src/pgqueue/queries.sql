@@ -552,7 +552,8 @@ WHERE j.id = s.id AND j.status IN ('queued', 'retrying') AND j.limit_key IS NULL
 -- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
 -- claim_jobs_in_queues restricted to a list of queues, which for a single queue reads
 -- pgqueue_jobs_ready_queue_idx in order (its custom plan folds `queue = (queues)[1]` into an
--- equality).
+-- equality). Both are rendered again as the fetcher's sweep behind claim_jobs_after's bound,
+-- claim_jobs_before(_in_queues), which fills sweep_range and position_columns (sql.SWEEP).
 -- The LIMIT (claim_limit) differs between the two. A plain parameter makes PostgreSQL plan every
 -- claim anew (~0.35 ms, ~2 us a job): its custom plan, which sees the value, always looks
 -- cheaper than the generic one. claim_jobs hides the value in a subquery, so both plans assume
@@ -565,7 +566,7 @@ WITH claimed AS (
         lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
     WHERE j.id = ANY(ARRAY(
         SELECT id FROM {schema}.pgqueue_jobs
-        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
+        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter} {sweep_range}
           AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
                                        WHERE paused OR concurrency_limit IS NOT NULL
                                              OR rate_limit IS NOT NULL))
@@ -582,6 +583,7 @@ WITH claimed AS (
               j.priority, j.run_at, j.meta
 )
 SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
+       {position_columns}
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_jobs_by_priority
@@ -733,44 +735,6 @@ WITH claimed AS (
         WHERE EXISTS (SELECT FROM {schema}.pgqueue_workers w
                       WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
         LIMIT {claim_limit}
-    ))
-    RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
-              extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
-              j.priority, j.run_at, j.meta
-)
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
-       priority, run_at::text
-FROM claimed ORDER BY priority DESC, run_at, id
-
--- name: claim_jobs_before
--- What claim_jobs_after misses: the jobs of its bound's priority that became ready behind the
--- bound (a released or reaped job, a past run_at, a resumed queue, a producer's transaction that
--- committed after later ones), claimed by the fetcher's sweep on a connection of its own, off the
--- claim path (fetcher.py). Its walk from the start of that priority visits every entry a held
--- snapshot keeps (the cost claim_jobs_after avoids), so it runs once a period, and from where its
--- last batch ended (%(from_run_at)s, %(from_id)s: -infinity and 0 for the start) when that came
--- back full. One ordered range scan of pgqueue_jobs_ready_idx between the two row comparisons;
--- the rest is claim_jobs' (its LIMIT hidden or not the same way); rendered twice like it.
-WITH claimed AS (
-    UPDATE {schema}.pgqueue_jobs j
-    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
-        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = now(), started_at = NULL
-    WHERE j.id = ANY(ARRAY(
-        SELECT id FROM {schema}.pgqueue_jobs
-        WHERE status IN ('queued', 'retrying') AND run_at <= now() {queue_filter}
-          AND priority = %(after_priority)s::int
-          AND (run_at, id) > (%(from_run_at)s::timestamptz, %(from_id)s::bigint)
-          AND (run_at, id) < (%(after_run_at)s::timestamptz, %(after_id)s::bigint)
-          AND queue || '' <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_queues
-                                       WHERE paused OR concurrency_limit IS NOT NULL
-                                             OR rate_limit IS NOT NULL))
-          AND limit_key IS NULL
-          AND (%(tasks)s::text[] IS NULL OR task = ANY(%(tasks)s::text[]))
-          AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
-                      WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
-        ORDER BY priority DESC, run_at, id
-        LIMIT {claim_limit}
-        FOR UPDATE SKIP LOCKED
     ))
     RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,

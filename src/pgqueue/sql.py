@@ -52,6 +52,21 @@ IN_QUEUES = {
     " WHERE paused OR concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL))",
     "limited_queue_match": "AND name = ANY(%(queues)s::text[])",
 }
+#: claim_jobs as the fetcher's sweep (claim_jobs_before): what claim_jobs_after misses, the jobs
+#: of its bound's priority that became ready behind the bound (a released or reaped job, a past
+#: run_at, a resumed queue, a producer's transaction that committed after later ones), claimed on
+#: a connection of its own, off the claim path (fetcher.py). Its walk from the start of that
+#: priority visits every entry a held snapshot keeps (the cost claim_jobs_after avoids), so it
+#: runs once a period, and from where its last batch ended (from_run_at, from_id: -infinity and 0
+#: for the start) when that came back full: one ordered range scan of pgqueue_jobs_ready_idx
+#: between the two row comparisons. Its rows end with their place in claim order, as
+#: claim_jobs_after's do.
+SWEEP = {
+    "sweep_range": "AND priority = %(after_priority)s::int"
+    " AND (run_at, id) > (%(from_run_at)s::timestamptz, %(from_id)s::bigint)"
+    " AND (run_at, id) < (%(after_run_at)s::timestamptz, %(after_id)s::bigint)",
+    "position_columns": ", priority, run_at::text",
+}
 #: Statements written once in queries.sql and rendered twice: the variant's name → its base
 #: section and the fragments it fills in. In the base each fragment is empty unless BASE names it.
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
@@ -61,9 +76,10 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         {**IN_QUEUES, "claim_limit": "%(limit)s"},
     ),
     "claim_jobs_after_in_queues": ("claim_jobs_after", {**IN_QUEUES, "claim_limit": "%(limit)s"}),
+    "claim_jobs_before": ("claim_jobs", SWEEP),
     "claim_jobs_before_in_queues": (
-        "claim_jobs_before",
-        {**IN_QUEUES, "claim_limit": "%(limit)s"},
+        "claim_jobs",
+        {**IN_QUEUES, "claim_limit": "%(limit)s", **SWEEP},
     ),
     "next_ready_at_in_queues": ("next_ready_at", IN_QUEUES),
     "complete_jobs_skip_locked": (

@@ -360,21 +360,7 @@ class Fetcher:
             self._busy_retry = min(self._busy_retry * 2, self.poll_interval)
         else:
             self._busy_retry = LIMIT_BUSY_RETRY
-        return [
-            ClaimedJob(
-                job_id,
-                queue,
-                task,
-                _decode(args)[0],
-                attempt,
-                max_attempts,
-                token,
-                pickup,
-                limited=True,
-                meta=None if meta is None else _decode(meta)[0],
-            )
-            for job_id, queue, task, args, attempt, max_attempts, pickup, _, meta in rows
-        ]
+        return self._jobs(rows, token, limited=True)
 
     def _bound_period(self) -> float:
         """Seconds between sweeps behind the bound (see BOUND_RESET)."""
@@ -459,20 +445,23 @@ class Fetcher:
         return jobs
 
     @staticmethod
-    def _jobs(rows: list[Any], token: UUID) -> list[ClaimedJob]:
+    def _jobs(rows: list[Any], token: UUID, *, limited: bool = False) -> list[ClaimedJob]:
+        """Rows of a claim: id, queue, task, args, attempt, max_attempts, pickup, ..., meta
+        (the limited claim's rows have the limit key before the meta)."""
         return [
             ClaimedJob(
-                job_id,
-                queue,
-                task,
-                _decode(args)[0],
-                attempt,
-                max_attempts,
+                row[0],
+                row[1],
+                row[2],
+                _decode(row[3])[0],
+                row[4],
+                row[5],
                 token,
-                pickup,
-                meta=None if meta is None else _decode(meta)[0],
+                row[6],
+                limited=limited,
+                meta=None if row[-1] is None else _decode(row[-1])[0],
             )
-            for job_id, queue, task, args, attempt, max_attempts, pickup, meta in rows
+            for row in rows
         ]
 
     async def claim(self, limit: int) -> list[ClaimedJob]:
