@@ -467,3 +467,38 @@ async def test_a_long_prune_does_not_hold_back_reaping(
         stopping.set()
         await asyncio.wait_for(running, 30)
         await pool.close()
+
+
+async def test_acks_wait_for_company_only_while_a_handler_may_give_some(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """The writer waited the whole flush interval for more acks even when the last running
+    handler had just ended: with a limit equal to the concurrency, every slot waits for those
+    acks, so each claim-run-ack cycle lost the interval (here an hour: the old code hangs)."""
+    ids = [app.enqueue("t", {}, allow_unknown=True) for _ in range(2)]
+    rows = claim(app, conn, uuid.uuid4())
+    outcomes = [
+        Outcome(job_id, token, Status.SUCCEEDED, None, None, '"ok"', 0.1, "default", 0.0)
+        for job_id, *_, token, _ in rows
+    ]
+    written: list[set[int]] = []
+    running = 2
+    async with AsyncConnectionPool(
+        dsn, min_size=1, open=False, kwargs={"autocommit": True}
+    ) as pool:
+        completer = Completer(
+            pool, app.q, lambda _batch, accepted: written.append(accepted), flush_interval=3600
+        )
+        completer.idle = lambda: running == 0
+        stopping = asyncio.Event()
+        writer = asyncio.create_task(completer.run(stopping))
+        running = 1
+        completer.submit(outcomes[0])  # one handler still runs: wait for its ack
+        await asyncio.sleep(0.05)
+        assert written == []
+        running = 0
+        completer.submit(outcomes[1])  # the last one ended: no company can come
+        await wait_until_async(lambda: written == [set(ids)], timeout=10)
+        stopping.set()
+        completer.stop()
+        await asyncio.wait_for(writer, 10)
