@@ -9,7 +9,9 @@ read as text: psycopg's ``pq`` layer (its public libpq binding) and, for the syn
 connection's own ``wait`` (so Ctrl-C still cancels the query). Anything unusual takes the
 general path instead (``eligible``): a connection not in UTF-8, an app told not to prepare
 statements (PgBouncer before 1.21), a NUL character (libpq's text parameters end at one, where
-the general path refuses it), and unique, child and caller-connection enqueues.
+the general path refuses it), and child and caller-connection enqueues. A unique job goes the
+same way with ``insert_unique_job`` (its own prepared statement), and its key, when the job
+holding it no longer holds it, is released through psycopg as on the general path.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ from .sql import Queries
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s")
 #: False sends every insert through psycopg's general path (benchmarks/enqueue_cpu.py compares).
 ENABLED = True
-#: The parameters of ``insert_job``, in the order JobRow.params gives them.
+#: The parameters of ``insert_job``, in the order ``parameters`` gives them.
 _ORDER = ("queue", "task", "args", "priority", "run_at", "delay", "max_attempts", "limit_key",
           "meta")  # fmt: skip
+#: The parameters of ``insert_unique_job``, in the order ``unique_parameters`` gives them.
+_UNIQUE_ORDER = ("queue", "task", "args", "priority", "run_at", "delay", "max_attempts",
+                 "unique_key", "unique_while", "unique_for", "limit_key", "meta",
+                 "on_conflict")  # fmt: skip
 #: What this module knows of each connection, by its libpq connection object.
 _sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
 #: Whether the socket can be duplicated for a reader that outlives one call (``_Watcher``).
@@ -64,11 +70,22 @@ def statement(insert_job: bytes) -> Statement:
     return Statement(insert_job)
 
 
-class Statement:
-    """``insert_job`` with ``$n`` placeholders, under a name of its own text's hash (so two
-    schemas, or two pgqueue versions, never share a name on one connection)."""
+@functools.cache
+def unique_statement(insert_unique_job: bytes) -> Statement:
+    return Statement(insert_unique_job, _UNIQUE_ORDER, b"pgqueue_insert_unique_job_")
 
-    def __init__(self, statement: bytes) -> None:
+
+class Statement:
+    """``insert_job`` (or ``insert_unique_job``) with ``$n`` placeholders, under a name of its
+    own text's hash (so two schemas, or two pgqueue versions, never share a name on one
+    connection)."""
+
+    def __init__(
+        self,
+        statement: bytes,
+        order: tuple[str, ...] = _ORDER,
+        prefix: bytes = b"pgqueue_insert_job_",
+    ) -> None:
         names: list[str] = []
 
         def number(match: re.Match[bytes]) -> bytes:
@@ -78,15 +95,23 @@ class Statement:
             return b"$%d" % (names.index(name) + 1)
 
         self.text = _PLACEHOLDER.sub(number, statement)
-        if tuple(names) != _ORDER:
-            raise RuntimeError(f"insert_job's parameters changed: {names}")
-        self.name = b"pgqueue_insert_job_" + hashlib.sha1(self.text).hexdigest()[:16].encode()
+        if tuple(names) != order:
+            raise RuntimeError(f"the statement's parameters changed: {names}")
+        self.name = prefix + hashlib.sha1(self.text).hexdigest()[:16].encode()
 
 
 def pooled_insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enqueued:
     """``producer.insert`` on one of the app's own connections: the direct path when it can."""
-    if eligible(conn, row) and (params := parameters(row)) is not None:
-        return Enqueued(insert(conn, statement(q.insert_job), params))
+    if eligible(conn, row):
+        if row.unique_key is None:
+            if (params := parameters(row)) is not None:
+                return Enqueued(insert(conn, statement(q.insert_job), params))
+        elif (params := unique_parameters(row)) is not None:
+            for _ in range(producer.UNIQUE_TRIES):
+                if (answer := run(conn, unique_statement(q.insert_unique_job), params)) is not None:
+                    return _unique_answer(answer)
+                conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
+            raise producer.no_answer(row)
     return producer.insert(conn, q, row)
 
 
@@ -94,9 +119,26 @@ async def pooled_insert_async(
     conn: psycopg.AsyncConnection[Any], q: Queries, row: JobRow
 ) -> Enqueued:
     """``pooled_insert`` for async code."""
-    if eligible(conn, row) and (params := parameters(row)) is not None:
-        return Enqueued(await insert_async(conn, statement(q.insert_job), params))
+    if eligible(conn, row):
+        if row.unique_key is None:
+            if (params := parameters(row)) is not None:
+                return Enqueued(await insert_async(conn, statement(q.insert_job), params))
+        elif (params := unique_parameters(row)) is not None:
+            sql = unique_statement(q.insert_unique_job)
+            for _ in range(producer.UNIQUE_TRIES):
+                if (answer := await run_async(conn, sql, params)) is not None:
+                    return _unique_answer(answer)
+                await conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
+            raise producer.no_answer(row)
     return await producer.insert_async(conn, q, row)
+
+
+def _unique_answer(answer: list[bytes | None]) -> Enqueued:
+    """insert_unique_job's row: the id, whether the job already existed, whether it took the
+    new values (booleans as text: 't' or 'f')."""
+    job_id, duplicate, replaced = answer
+    assert job_id is not None
+    return Enqueued(int(job_id), duplicate == b"t", replaced == b"t")
 
 
 def parameters(row: JobRow) -> list[bytes | None] | None:
@@ -118,12 +160,26 @@ def parameters(row: JobRow) -> list[bytes | None] | None:
     ]
 
 
+def unique_parameters(row: JobRow) -> list[bytes | None] | None:
+    """``parameters`` of a unique job, in ``_UNIQUE_ORDER``."""
+    key = row.unique_key
+    if key is None or "\x00" in key or (params := parameters(row)) is None:
+        return None
+    queue, task, args, priority, run_at, delay, max_attempts, limit_key, meta = params
+    while_, for_ = row.unique_while, row.unique_for
+    return [
+        queue, task, args, priority, run_at, delay, max_attempts, key.encode(),
+        None if while_ is None else while_.encode(),
+        None if for_ is None else repr(float(for_)).encode(),
+        limit_key, meta, row.on_conflict.encode(),
+    ]  # fmt: skip
+
+
 def eligible(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], row: JobRow) -> bool:
     """Whether this insert may take the direct path on this (pool) connection."""
     return (
         ENABLED
         and row.after is None
-        and row.unique_key is None
         and conn.prepare_threshold is not None
         and conn.pgconn.transaction_status == TransactionStatus.IDLE
         # What conn.info.encoding reads, without making a ConnectionInfo per call.
@@ -131,17 +187,37 @@ def eligible(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], row: 
     )
 
 
-def _job_id(results: list[Any]) -> int:
+def _row(results: list[Any]) -> list[bytes | None] | None:
+    """The statement's one row (its values as text), or None when it returned none."""
     _job_id_or_ok(results)
     answer = results[-1] if results else None
-    if answer is None or answer.status != ExecStatus.TUPLES_OK or answer.ntuples != 1:
+    if answer is None or answer.status != ExecStatus.TUPLES_OK or answer.ntuples > 1:
         raise psycopg.InterfaceError("unexpected answer to the job INSERT")
-    value = answer.get_value(0, 0)
-    assert value is not None
-    return int(value)
+    if answer.ntuples == 0:
+        return None
+    return [answer.get_value(0, column) for column in range(answer.nfields)]
+
+
+def _job_id(answer: list[bytes | None] | None) -> int:
+    if answer is None or answer[0] is None:
+        raise psycopg.InterfaceError("unexpected answer to the job INSERT")
+    return int(answer[0])
 
 
 def insert(conn: psycopg.Connection[Any], statement: Statement, params: list[bytes | None]) -> int:
+    return _job_id(run(conn, statement, params))
+
+
+async def insert_async(
+    conn: psycopg.AsyncConnection[Any], statement: Statement, params: list[bytes | None]
+) -> int:
+    return _job_id(await run_async(conn, statement, params))
+
+
+def run(
+    conn: psycopg.Connection[Any], statement: Statement, params: list[bytes | None]
+) -> list[bytes | None] | None:
+    """Run a prepared statement of this module; its one row (see ``_row``)."""
     pgconn = conn.pgconn
     done = _session(pgconn).prepared
     for _ in range(2):
@@ -151,15 +227,16 @@ def insert(conn: psycopg.Connection[Any], statement: Statement, params: list[byt
             done.add(statement.name)
         pgconn.send_query_prepared(statement.name, params)
         try:
-            return _job_id(conn.wait(generators.execute(pgconn)))
+            return _row(conn.wait(generators.execute(pgconn)))
         except errors.InvalidSqlStatementName:  # deallocated by code that borrowed the conn
             done.discard(statement.name)
     raise psycopg.InterfaceError("the job INSERT could not be prepared")
 
 
-async def insert_async(
+async def run_async(
     conn: psycopg.AsyncConnection[Any], statement: Statement, params: list[bytes | None]
-) -> int:
+) -> list[bytes | None] | None:
+    """``run`` for async code."""
     pgconn = conn.pgconn
     session = _session(pgconn)
     done = session.prepared
@@ -170,7 +247,7 @@ async def insert_async(
             done.add(statement.name)
         pgconn.send_query_prepared(statement.name, params)
         try:
-            return _job_id(await _results(pgconn, session))
+            return _row(await _results(pgconn, session))
         except errors.InvalidSqlStatementName:  # deallocated by code that borrowed the conn
             done.discard(statement.name)
     raise psycopg.InterfaceError("the job INSERT could not be prepared")
