@@ -10,7 +10,7 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -457,11 +457,38 @@ def insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enqueued:
         assert record is not None
         return Enqueued(record[0])
     params = row.unique_params()
-    for _ in range(UNIQUE_TRIES):
+
+    def attempt() -> Enqueued | None:
         record = conn.execute(q.insert_unique_job, params).fetchone()
-        if record is not None:
-            return Enqueued(record[0], record[1], record[2])
+        return None if record is None else Enqueued(record[0], record[1], record[2])
+
+    return insert_unique(conn, q, row, attempt)
+
+
+def insert_unique(
+    conn: psycopg.Connection[Any], q: Queries, row: JobRow, attempt: Callable[[], Enqueued | None]
+) -> Enqueued:
+    """A unique job, whatever sends its statement (psycopg here, ``wire`` on the app's own
+    connections): ``attempt`` runs insert_unique_job once; no answer means the job holding the
+    key no longer holds it, so the key is released and the insert runs again."""
+    for _ in range(UNIQUE_TRIES):
+        if (job := attempt()) is not None:
+            return job
         conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
+    raise no_answer(row)
+
+
+async def insert_unique_async(
+    conn: psycopg.AsyncConnection[Any],
+    q: Queries,
+    row: JobRow,
+    attempt: Callable[[], Awaitable[Enqueued | None]],
+) -> Enqueued:
+    """``insert_unique`` for async code."""
+    for _ in range(UNIQUE_TRIES):
+        if (job := await attempt()) is not None:
+            return job
+        await conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
     raise no_answer(row)
 
 
@@ -476,13 +503,13 @@ async def insert_async(conn: psycopg.AsyncConnection[Any], q: Queries, row: JobR
         assert record is not None
         return Enqueued(record[0])
     params = row.unique_params()
-    for _ in range(UNIQUE_TRIES):
+
+    async def attempt() -> Enqueued | None:
         cursor = await conn.execute(q.insert_unique_job, params)
         record = await cursor.fetchone()
-        if record is not None:
-            return Enqueued(record[0], record[1], record[2])
-        await conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
-    raise no_answer(row)
+        return None if record is None else Enqueued(record[0], record[1], record[2])
+
+    return await insert_unique_async(conn, q, row, attempt)
 
 
 def _copy_text(rows: Sequence[JobRow], clock: BatchClock) -> str:

@@ -107,11 +107,10 @@ def pooled_insert(conn: psycopg.Connection[Any], q: Queries, row: JobRow) -> Enq
             if (params := parameters(row)) is not None:
                 return Enqueued(insert(conn, statement(q.insert_job), params))
         elif (params := unique_parameters(row)) is not None:
-            for _ in range(producer.UNIQUE_TRIES):
-                if (answer := run(conn, unique_statement(q.insert_unique_job), params)) is not None:
-                    return _unique_answer(answer)
-                conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
-            raise producer.no_answer(row)
+            sql = unique_statement(q.insert_unique_job)
+            return producer.insert_unique(
+                conn, q, row, lambda: _unique_answer(run(conn, sql, params))
+            )
     return producer.insert(conn, q, row)
 
 
@@ -125,17 +124,19 @@ async def pooled_insert_async(
                 return Enqueued(await insert_async(conn, statement(q.insert_job), params))
         elif (params := unique_parameters(row)) is not None:
             sql = unique_statement(q.insert_unique_job)
-            for _ in range(producer.UNIQUE_TRIES):
-                if (answer := await run_async(conn, sql, params)) is not None:
-                    return _unique_answer(answer)
-                await conn.execute(q.release_unique_keys, {"keys": [row.unique_key]})
-            raise producer.no_answer(row)
+
+            async def attempt() -> Enqueued | None:
+                return _unique_answer(await run_async(conn, sql, params))
+
+            return await producer.insert_unique_async(conn, q, row, attempt)
     return await producer.insert_async(conn, q, row)
 
 
-def _unique_answer(answer: list[bytes | None]) -> Enqueued:
+def _unique_answer(answer: list[bytes | None] | None) -> Enqueued | None:
     """insert_unique_job's row: the id, whether the job already existed, whether it took the
-    new values (booleans as text: 't' or 'f')."""
+    new values (booleans as text: 't' or 'f'); None when it answered no row."""
+    if answer is None:
+        return None
     job_id, duplicate, replaced = answer
     assert job_id is not None
     return Enqueued(int(job_id), duplicate == b"t", replaced == b"t")

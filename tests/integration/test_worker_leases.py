@@ -494,7 +494,7 @@ async def test_acks_wait_for_company_only_while_a_handler_may_give_some(
         writer = asyncio.create_task(completer.run(stopping))
         running = 1
         completer.submit(outcomes[0])  # one handler still runs: wait for its ack
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: completer._company is not None)  # it waits for company
         assert written == []
         running = 0
         completer.submit(outcomes[1])  # the last one ended: no company can come
