@@ -13,7 +13,7 @@ import pytest
 from psycopg_pool import PoolTimeout
 
 from pgqueue.worker import outage as outages
-from pgqueue.worker.completer import TransientWriteError
+from pgqueue.worker.completer import TransientWriteError, transient
 from pgqueue.worker.outage import Outage, PoolNoise, unreachable
 from pgqueue.worker.state import round_failed
 
@@ -130,3 +130,15 @@ def test_pool_warnings_about_the_workers_own_connections_are_left_out() -> None:
     assert not noise.filter(record("error resetting connection: %s", LOST))
     assert noise.filter(record("error resetting connection: %s", server_error("42P01")))
     assert noise.filter(record("growing pool %r to %s", "pgqueue-worker", 2))
+
+
+def test_an_ack_refused_by_a_read_only_server_is_kept_and_retried() -> None:
+    """A standby not promoted yet (25006) refuses every write alike: the outage already counted
+    it as unreachable, but the ack writer took it for a refusal of the batch's contents and gave
+    the attempts up (the jobs then ran again after their leases ran out)."""
+    refused = psycopg.errors.ReadOnlySqlTransaction(
+        "cannot execute UPDATE in a read-only transaction"
+    )
+    assert transient(refused, None)
+    assert unreachable(refused)
+    assert not transient(psycopg.errors.CheckViolation("a value the table refuses"), None)

@@ -52,7 +52,9 @@ FAILED_RETRY_MAX = 5.0
 #: SQLSTATE classes of errors that say nothing about the batch's contents: the server or the
 #: connection is in trouble, or a transient conflict. The batch is retried as it is.
 _TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")
-_TRANSIENT_STATES = ("55P03", "55006")  # lock_not_available, object_in_use
+#: lock_not_available, object_in_use, and read_only_sql_transaction: a standby not promoted yet
+#: (a failover), which refuses every write alike; the outage counts it as unreachable too.
+_TRANSIENT_STATES = ("55P03", "55006", "25006")
 
 
 def transient(exc: BaseException, conn: psycopg.AsyncConnection[Any] | None) -> bool:
