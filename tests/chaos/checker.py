@@ -132,24 +132,56 @@ def lost_jobs(conn: Conn, cancelled_on_purpose: Collection[int]) -> int:
     )
 
 
-def recovery_times(conn: Conn, faults: list[Fault]) -> list[float]:
-    """For each lease reaped from a faulted worker: seconds from the first fault to hit that
-    worker after the claim to the reap, when the job is claimable again. (Its re-run then waits
-    its turn: a retry is queued by its new run_at, behind jobs that were due before it.)"""
+def _cause(hits: list[datetime], renewed: datetime) -> datetime:
+    """Of the faults ``hits`` (in order), the first after a lease's last renewal, else the last
+    before it (a renewal in flight as the fault began commits just after it)."""
+    return next((at for at in hits if at >= renewed), None) or max(
+        (at for at in hits if at < renewed), default=hits[0]
+    )
+
+
+def recovery_times(conn: Conn, faults: list[Fault], lease: float) -> list[float]:
+    """For each lease reaped from a faulted worker: seconds from the fault that made it run
+    out to the reap, when the job is claimable again. (Its re-run then waits its turn: a retry
+    is queued by its new run_at, behind jobs that were due before it.)
+
+    A worker hit several times may renew its lease between faults (it heals, reconnects and
+    heartbeats), so the fault that counts is the first one after the lease's last renewal
+    (the expiry the reap acted on minus ``lease``), not the first after the claim: from the
+    first, a lease renewed after one fault and lost in the next looked like a late reaper.
+    A lapse the worker renewed before any reaper took the job is no excuse either: the job
+    waited unclaimable from its fault to that renewal, and that wait is a recovery time too
+    (a reaper late by more than the bound shows up there)."""
     by_worker: dict[UUID, list[datetime]] = {}
     for fault in faults:
         if fault.worker is not None:
             by_worker.setdefault(fault.worker, []).append(fault.at)
+    lapses: dict[UUID, list[tuple[datetime, datetime]]] = {}
+    for worker, expired_at, renewed_at in conn.execute(
+        "SELECT worker_id, expired_at, renewed_at FROM history_lapses ORDER BY expired_at"
+    ).fetchall():
+        lapses.setdefault(worker, []).append((expired_at, renewed_at))
     rows = conn.execute(
-        "SELECT c.new_worker, c.at, r.at FROM history_reaps r"
+        "SELECT c.new_worker, c.at, r.at, nullif(r.old_expires, '-infinity') FROM history_reaps r"
         " JOIN history_transitions c ON c.job_id = r.job_id AND c.new_token = r.old_token"
         " AND c.new_status = 'running'"
     ).fetchall()
+    renewal = timedelta(seconds=lease)
     times = []
-    for worker, claimed_at, reaped_at in rows:
-        hits = [at for at in by_worker.get(worker, []) if claimed_at <= at <= reaped_at]
-        if hits:
-            times.append((reaped_at - min(hits)).total_seconds())
+    for worker, claimed_at, reaped_at, expires in rows:
+        hits = sorted(at for at in by_worker.get(worker, []) if claimed_at <= at <= reaped_at)
+        if not hits:
+            continue
+        own = [(e, r) for e, r in lapses.get(worker, []) if claimed_at <= e <= reaped_at]
+        if expires is None:  # the worker had deregistered: no lease to date the fault by
+            expires = hits[0] + renewal
+        elif expires > reaped_at:
+            # The reaper read a lapsed lease that was renewed before the reap committed: the
+            # last lapse before the reap is the expiry it acted on.
+            expires = max((e for e, _ in own), default=hits[0] + renewal)
+        held = [(e, r) for e, r in own if e < expires and r <= reaped_at]
+        times.append((reaped_at - _cause(hits, expires - renewal)).total_seconds())
+        times += [(r - _cause(hits, e - renewal)).total_seconds() for e, r in held]
     return times
 
 
@@ -347,6 +379,7 @@ def check(
     faults: list[Fault],
     killed: set[UUID],
     recovery_bound: float,
+    lease: float,
     failures_explain: bool,
     limits: LimitPlan,
     cancelled_on_purpose: Collection[int] = (),
@@ -403,7 +436,7 @@ def check(
         (list(killed),),
     )
     unexplained = history.unexplained_duplicates(conn, failures_explain=failures_explain)
-    recovery = recovery_times(conn, faults)
+    recovery = recovery_times(conn, faults, lease)
     limited = limit_findings(conn, limits)
     result = Result(
         scenario=scenario,

@@ -357,6 +357,7 @@ class Run:
             faults=self.faults,
             killed=self.killed,
             recovery_bound=self.config.recovery_bound,
+            lease=self.config.lease,
             failures_explain=self.failures_explain,
             cancelled_on_purpose=self.cancelled_on_purpose,
             limits=LimitPlan(
