@@ -12,9 +12,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
+from pgqueue import db
 from pgqueue.jobs import Status
 from pgqueue.worker.completer import Completer
 from pgqueue.worker.executor import Outcome
@@ -502,3 +504,44 @@ async def test_acks_wait_for_company_only_while_a_handler_may_give_some(
         stopping.set()
         completer.stop()
         await asyncio.wait_for(writer, 10)
+
+
+async def test_the_wake_for_freed_slots_rides_in_the_acks_transaction(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """Acks that free limit slots wake waiting workers in their own transaction: the NOTIFY
+    comes from the ack's connection as the acks commit (no round trip of its own), and a write
+    that failed sends none (the runtime's separate wake covers what ``woke`` leaves out)."""
+    channel = db.channel_for(app.schema)
+    ids = [app.enqueue("t", {}, allow_unknown=True) for _ in range(2)]
+    rows = claim(app, conn, uuid.uuid4())
+    outcomes = [
+        Outcome(job_id, token, Status.SUCCEEDED, None, None, '"ok"', 0.1, "default", 0.0)
+        for job_id, *_, token, _ in rows
+    ]
+    written: list[set[int]] = []
+    pids: list[int] = []
+    with psycopg.connect(dsn, autocommit=True) as waiting, psycopg.connect(dsn) as locker:
+        # A waiting worker: it listens and holds the shared lock the wake looks for.
+        waiting.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        waiting.execute("SELECT pg_advisory_lock_shared(hashtext(%s), 1)", (channel,))
+        async with AsyncConnectionPool(
+            dsn, min_size=1, open=False, kwargs={"autocommit": True}
+        ) as pool:
+            completer = Completer(pool, app.q, lambda _b, accepted: written.append(accepted))
+            completer.wakes = lambda batch: ["default"]
+            completer.own_pid = pids.append
+            completer.submit(outcomes[0])
+            await completer.flush_once()
+            assert written == [{ids[0]}] and completer.woke == {"default"}
+            (notice,) = list(waiting.notifies(timeout=10, stop_after=1))
+            assert (notice.payload, notice.pid) == ("default", pids[0])
+            # A row locked by someone else fails the first write: nothing is sent with it, and
+            # the write around the lock says it woke nobody.
+            locker.execute("SELECT 1 FROM pgqueue_jobs WHERE id = %s FOR UPDATE", (ids[1],))
+            completer.submit(outcomes[1])
+            await completer.flush_once()
+            assert written == [{ids[0]}] and [o for o, _, _ in completer.busy] == [outcomes[1]]
+            assert completer.woke == frozenset()
+            assert list(waiting.notifies(timeout=0.5, stop_after=1)) == []
+            locker.rollback()

@@ -112,6 +112,15 @@ class Completer:
         self.idle: Callable[[], bool] = lambda: False
         #: Set while the writer waits for company: ends the wait once none can come.
         self._company: asyncio.Event | None = None
+        #: Given a batch, the queues whose waiting workers its acks give work (slots freed):
+        #: their wake (wake_waiting_workers) rides in the ack's own transaction, so it costs
+        #: no round trip of its own and is sent only if the acks commit.
+        self.wakes: Callable[[list[Outcome]], list[str]] = lambda batch: []
+        #: Told the backend pid of each connection a wake went out on (the worker ignores its
+        #: own notifications).
+        self.own_pid: Callable[[int], None] = lambda pid: None
+        #: The queues the last write woke with its acks (the runtime wakes the others).
+        self.woke: frozenset[str] = frozenset()
 
     def submit(self, outcome: Outcome) -> None:
         self.pending.append(outcome)
@@ -277,11 +286,22 @@ class Completer:
         skip_locked: bool,
     ) -> tuple[set[int], set[int]]:
         arrays.register(conn)  # idempotent, and a few microseconds a write
+        self.woke = frozenset()
+        wake = [] if skip_locked else self.wakes(batch)
         if skip_locked:
             cur = await conn.execute(self.q.complete_jobs_skip_locked, params)
         else:
             try:
-                cur = await conn.execute(self.q.complete_jobs, params)
+                if wake:
+                    # One implicit transaction until the pipeline's sync: the NOTIFY goes out
+                    # as the acks commit, never without them.
+                    self.own_pid(conn.info.backend_pid)
+                    async with conn.pipeline():
+                        cur = await conn.execute(self.q.complete_jobs, params)
+                        await conn.execute(self.q.wake_waiting_workers, {"queues": wake})
+                    self.woke = frozenset(wake)
+                else:
+                    cur = await conn.execute(self.q.complete_jobs, params)
             except pgerrors.LockNotAvailable:
                 # A row locked by someone else: write around it (module docstring).
                 skip_locked = True

@@ -631,7 +631,17 @@ class Fetcher:
                 # A short claim: the queue is drained and the fetcher will wait, so producers
                 # should notify (see notifier). A full one: it claims again on its own.
                 self.on_waiting(not maybe_more)
-                if not maybe_more and not self._claim_after_bound():
+                if (
+                    not maybe_more
+                    and not self._claim_after_bound()
+                    # Short because the limits' slots ran out, not the jobs: the end of each
+                    # limited job just claimed wakes this loop to claim again (slot_freed), and
+                    # a busy worker's look at delayed jobs is the once-a-second one above. A
+                    # look after every such claim cost a round trip per slot cycle.
+                    and not (
+                        any(job.limited for job in jobs) and now - self._checked < DELAYED_CHECK
+                    )
+                ):
                     # The jobs just claimed start first (their slots run at this yield).
                     await asyncio.sleep(0)
                     await self._learn_next_due(loop)

@@ -326,6 +326,16 @@ class Worker:
             outage=state.outage,
         )
         self.completer.idle = lambda: state.running == 0 and not state.buffer
+
+        def wakes(batch: list[Outcome]) -> list[str]:
+            queues: set[str] = set()
+            for outcome in batch:
+                held = state.held.get(key_of(outcome.job_id, outcome.lease_token))
+                if held is not None and held.job.limited:
+                    queues.add(outcome.queue)
+            return sorted(queues)
+
+        self.completer.wakes = wakes
         self.fetcher = Fetcher(
             pool.lane("claims"),
             q,
@@ -380,6 +390,7 @@ class Worker:
         )
         if self.listen:
             self.fetcher.on_waiting = self.notifier.set_waiting
+        self.completer.own_pid = self.notifier.own_pids.add
         self.scheduler = Scheduler(
             self.app, interval=min(self.poll_interval, 1.0), outage=state.outage
         )
@@ -906,6 +917,7 @@ class Worker:
         self.state.wakeup.set()
         if freed:
             self.fetcher.slot_freed()
-        self.wake(retried + freed)
+        woke = self.completer.woke
+        self.wake(retried + [queue for queue in freed if queue not in woke])
         if final:
             self._background(self._announce(final), "announce")
