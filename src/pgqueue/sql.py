@@ -185,6 +185,7 @@ class Queries:
     claim_jobs_before: bytes
     claim_jobs_before_in_queues: bytes
     claim_position: bytes
+    claim_dry_position: bytes
     vacuum_horizon_holder: bytes
     begin_limited_claim: bytes
     limit_claim_timeout: bytes
