@@ -758,9 +758,11 @@ SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 -- The bound is the first priority with waiting jobs, the database's clock, and past any id: a
 -- job enqueued, released, reaped or retried from now on has a later run_at and is claimed after
 -- it; one that became claimable behind it (a queue resumed, a limit removed) waits for the
--- sweep (fetcher.py), as in claim_jobs_after. One descent of pgqueue_jobs_ready_idx.
+-- sweep (fetcher.py), as in claim_jobs_after. One descent of pgqueue_jobs_ready_idx; rendered
+-- again for a worker's list of queues (claim_dry_position_in_queues), whose first priority is
+-- the one its claims start from.
 SELECT priority, now()::text FROM {schema}.pgqueue_jobs
-WHERE status IN ('queued', 'retrying')
+WHERE status IN ('queued', 'retrying') {queue_filter}
 ORDER BY priority DESC, run_at, id LIMIT 1
 
 -- name: vacuum_horizon_holder

@@ -62,8 +62,9 @@ def every_claim_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetcher, "BOUND_RESET_RATIO", 1.0)
 
 
+@pytest.mark.parametrize("queues", [None, ["held", "live"]])
 async def test_after_a_slow_dry_claim_new_jobs_start_and_a_resumed_backlog_is_swept(
-    app: pgqueue.App, conn: Conn, every_claim_slow: None
+    app: pgqueue.App, conn: Conn, every_claim_slow: None, queues: list[str] | None
 ) -> None:
     """The worker finds only a paused backlog: its claim from the start comes back empty and it
     claims after the bound from then on, so the next jobs (another queue's) are claimed without
@@ -76,7 +77,7 @@ async def test_after_a_slow_dry_claim_new_jobs_start_and_a_resumed_backlog_is_sw
 
     app.pause_queue("held")
     app.enqueue_many([{"task": "work", "args": {"queue": "held"}, "queue": "held"}] * 500)
-    async with running_worker(app, concurrency=4, **FAST) as worker:
+    async with running_worker(app, concurrency=4, queues=queues, **FAST) as worker:
         claims = worker.fetcher
         await wait_until_async(lambda: claims.claims >= 1 and claims.bound is not None)
         assert claims.bound is not None and claims.bound[2] == fetcher.LAST_ID

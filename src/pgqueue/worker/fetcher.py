@@ -151,6 +151,9 @@ class Fetcher:
         self.after = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
         self.before = q.claim_jobs_before if queues is None else q.claim_jobs_before_in_queues
         self.next_ready = q.next_ready_at if queues is None else q.next_ready_at_in_queues
+        self.dry_position = (
+            q.claim_dry_position if queues is None else q.claim_dry_position_in_queues
+        )
         self.claims = 0
         #: Claims that started where the last one ended (claim_jobs_after), and sweeps behind it.
         self.claims_after = 0
@@ -512,7 +515,9 @@ class Fetcher:
                 if len(rows) < limit and self._from_start_took >= SLOW_CLAIM:
                     # It read to the end of the index, past jobs it cannot take: the next
                     # claims start after everything that was waiting now (claim_dry_position).
-                    where = await conn.execute(self.q.claim_dry_position)
+                    where = await conn.execute(
+                        self.dry_position, None if self.queues is None else params
+                    )
                     position = await where.fetchone()
                     if position is not None:
                         self.bound = (position[0], position[1], LAST_ID)
