@@ -328,6 +328,8 @@ class Worker:
         self.completer.idle = lambda: state.running == 0 and not state.buffer
 
         def wakes(batch: list[Outcome]) -> list[str]:
+            if not self.fetcher.limited:  # none held (any left over: _on_written wakes them)
+                return []
             queues: set[str] = set()
             for outcome in batch:
                 held = state.held.get(key_of(outcome.job_id, outcome.lease_token))
