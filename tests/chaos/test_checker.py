@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
+import pytest
 
 from tests import history
 from tests.chaos.checker import Fault, recovery_times
@@ -39,43 +40,38 @@ def _claim_and_reap(
     )
 
 
-def test_a_lease_renewed_between_two_faults_counts_from_the_second(
+@pytest.mark.parametrize(
+    ("reaped", "expires", "lapses", "faults", "expected"),
+    [
+        # Fault at 1 (healed, lease renewed at 4.5, so it ran out at 6.5); fault at 5; reaped at
+        # 7: 2 s after the fault that made the lease run out (6 s after the first).
+        (7, 6.5, [], [("blackhole", 1), ("blackhole", 5)], [2.0]),
+        # Fault at 1, lease ran out at 2.5 and nobody reaped it until the worker renewed at 9;
+        # fault at 10, reaped at 12.5: the job waited 8 s for the first recovery, over the bound.
+        (12.5, 12.0, [(2.5, 9)], [("sigstop", 1), ("sigstop", 10)], [2.5, 8.0]),
+        # Fault at 1, lease ran out at 2.6, the reaper read it lapsed and committed at 3.2, just
+        # after the worker's renewal at 3.1 (the transition logs the renewed expiry, 5.1).
+        (3.2, 5.1, [(2.6, 3.1)], [("blackhole", 1)], [2.2]),
+    ],
+    ids=["renewed between two faults", "a lapse renewed before any reap", "reaped as renewed"],
+)
+def test_recovery_counts_from_the_fault_that_made_the_lease_run_out(
     conn: psycopg.Connection[Any],
+    reaped: float,
+    expires: float,
+    lapses: list[tuple[float, float]],
+    faults: list[tuple[str, float]],
+    expected: list[float],
 ) -> None:
+    """A job claimed at 0 by a worker hit by ``faults`` (kind, second), whose lease lapsed and
+    was renewed at ``lapses``, reaped at ``reaped`` with the lease expiring at ``expires``."""
     history.install(conn)
     worker = uuid.uuid4()
-    # Claimed at 0; fault at 1 (healed, lease renewed at 4.5, so it ran out at 6.5); fault at
-    # 5; reaped at 7: 2 s after the fault that made the lease run out, 6 s after the first.
-    _claim_and_reap(conn, worker, claimed=0, reaped=7, expires=6.5)
-    faults = [Fault("blackhole", at(1), worker), Fault("blackhole", at(5), worker)]
-    assert recovery_times(conn, faults, LEASE) == [2.0]
-
-
-def test_a_lapse_renewed_before_any_reap_still_counts(conn: psycopg.Connection[Any]) -> None:
-    history.install(conn)
-    worker = uuid.uuid4()
-    # Fault at 1, lease ran out at 2.5 and nobody reaped it until the worker renewed at 9;
-    # fault at 10, reaped at 12.5: the job waited 8 s for the first recovery, over the bound.
-    _claim_and_reap(conn, worker, claimed=0, reaped=12.5, expires=12.0)
-    conn.execute(
-        "INSERT INTO history_lapses (worker_id, expired_at, renewed_at) VALUES (%s, %s, %s)",
-        (worker, at(2.5), at(9)),
-    )
-    faults = [Fault("sigstop", at(1), worker), Fault("sigstop", at(10), worker)]
-    assert sorted(recovery_times(conn, faults, LEASE)) == [2.5, 8.0]
-
-
-def test_a_reap_of_a_lapse_renewed_as_it_committed_counts_from_its_fault(
-    conn: psycopg.Connection[Any],
-) -> None:
-    history.install(conn)
-    worker = uuid.uuid4()
-    # Fault at 1, lease ran out at 2.6, the reaper read it lapsed and committed at 3.2, just
-    # after the worker's renewal at 3.1 (the transition logs the renewed expiry, 5.1).
-    _claim_and_reap(conn, worker, claimed=0, reaped=3.2, expires=5.1)
-    conn.execute(
-        "INSERT INTO history_lapses (worker_id, expired_at, renewed_at) VALUES (%s, %s, %s)",
-        (worker, at(2.6), at(3.1)),
-    )
-    faults = [Fault("blackhole", at(1), worker)]
-    assert [round(t, 3) for t in recovery_times(conn, faults, LEASE)] == [2.2]
+    _claim_and_reap(conn, worker, claimed=0, reaped=reaped, expires=expires)
+    for expired, renewed in lapses:
+        conn.execute(
+            "INSERT INTO history_lapses (worker_id, expired_at, renewed_at) VALUES (%s, %s, %s)",
+            (worker, at(expired), at(renewed)),
+        )
+    hits = [Fault(kind, at(second), worker) for kind, second in faults]
+    assert sorted(round(t, 3) for t in recovery_times(conn, hits, LEASE)) == expected

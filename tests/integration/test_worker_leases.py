@@ -44,6 +44,17 @@ def claim(app: pgqueue.App, conn: Conn, worker: uuid.UUID, lease: float = 30) ->
     return [(*r[:6], token, r[6]) for r in rows]
 
 
+def claimed_successes(app: pgqueue.App, conn: Conn, count: int) -> tuple[list[int], list[Outcome]]:
+    """``count`` jobs enqueued and claimed, and the successful outcome of each, as a worker's
+    handlers would hand them to the completer."""
+    ids = [int(app.enqueue("t", {}, allow_unknown=True)) for _ in range(count)]
+    outcomes = [
+        Outcome(job_id, token, Status.SUCCEEDED, None, None, '"ok"', 0.1, "default", 0.0)
+        for job_id, *_, token, _ in claim(app, conn, uuid.uuid4())
+    ]
+    return ids, outcomes
+
+
 def complete(app: pgqueue.App, conn: Conn, job_id: int, token: uuid.UUID) -> list[Any]:
     """The ids the ack was written for (its second column, whether anyone waits for results,
     is not this module's business)."""
@@ -477,12 +488,7 @@ async def test_acks_wait_for_company_only_while_a_handler_may_give_some(
     """The writer waited the whole flush interval for more acks even when the last running
     handler had just ended: with a limit equal to the concurrency, every slot waits for those
     acks, so each claim-run-ack cycle lost the interval (here an hour: the old code hangs)."""
-    ids = [app.enqueue("t", {}, allow_unknown=True) for _ in range(2)]
-    rows = claim(app, conn, uuid.uuid4())
-    outcomes = [
-        Outcome(job_id, token, Status.SUCCEEDED, None, None, '"ok"', 0.1, "default", 0.0)
-        for job_id, *_, token, _ in rows
-    ]
+    ids, outcomes = claimed_successes(app, conn, 2)
     written: list[set[int]] = []
     running = 2
     async with AsyncConnectionPool(
@@ -513,12 +519,7 @@ async def test_the_wake_for_freed_slots_rides_in_the_acks_transaction(
     comes from the ack's connection as the acks commit (no round trip of its own), and a write
     that failed sends none (the runtime's separate wake covers what ``woke`` leaves out)."""
     channel = db.channel_for(app.schema)
-    ids = [app.enqueue("t", {}, allow_unknown=True) for _ in range(2)]
-    rows = claim(app, conn, uuid.uuid4())
-    outcomes = [
-        Outcome(job_id, token, Status.SUCCEEDED, None, None, '"ok"', 0.1, "default", 0.0)
-        for job_id, *_, token, _ in rows
-    ]
+    ids, outcomes = claimed_successes(app, conn, 2)
     written: list[set[int]] = []
     pids: list[int] = []
     with psycopg.connect(dsn, autocommit=True) as waiting, psycopg.connect(dsn) as locker:
