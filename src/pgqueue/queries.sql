@@ -750,21 +750,6 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- claims from the start return no more than they always did.
 SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 
--- name: claim_dry_position
--- Where a claim from the start that was slow and came back short leaves the next ones
--- (claim_jobs_after's bound): it read every waiting job it could not take (a paused or limited
--- queue's backlog, jobs of limited tasks, jobs of tasks this worker does not know) to the end
--- of the index, and the next claim from the start would read them all again to find nothing.
--- The bound is the first priority with waiting jobs, the database's clock, and past any id: a
--- job enqueued, released, reaped or retried from now on has a later run_at and is claimed after
--- it; one that became claimable behind it (a queue resumed, a limit removed) waits for the
--- sweep (fetcher.py), as in claim_jobs_after. One descent of pgqueue_jobs_ready_idx; rendered
--- again for a worker's list of queues (claim_dry_position_in_queues), whose first priority is
--- the one its claims start from.
-SELECT priority, now()::text FROM {schema}.pgqueue_jobs
-WHERE status IN ('queued', 'retrying') {queue_filter}
-ORDER BY priority DESC, run_at, id LIMIT 1
-
 -- name: vacuum_horizon_holder
 -- The oldest transaction of this database older than %(older_than)s seconds that holds back
 -- vacuum (it has a snapshot or an xid), as the dashboard's health strip finds it

@@ -84,8 +84,6 @@ LIMIT_SCAN_MIN = 16
 LIMIT_SCAN_MAX = 1000
 #: The limited claim's session ends if it stalls this long inside its transaction (milliseconds).
 LIMIT_CLAIM_IDLE_MS = "5000"
-#: Past every job id: the bound a short slow claim leaves (claim_dry_position).
-LAST_ID = 2**63 - 1
 #: When another worker held a limit group or queue this claim wanted: look again after this
 #: long (doubling while it stays held, up to the poll interval).
 LIMIT_BUSY_RETRY = 0.01
@@ -151,9 +149,6 @@ class Fetcher:
         self.after = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
         self.before = q.claim_jobs_before if queues is None else q.claim_jobs_before_in_queues
         self.next_ready = q.next_ready_at if queues is None else q.next_ready_at_in_queues
-        self.dry_position = (
-            q.claim_dry_position if queues is None else q.claim_dry_position_in_queues
-        )
         self.claims = 0
         #: Claims that started where the last one ended (claim_jobs_after), and sweeps behind it.
         self.claims_after = 0
@@ -192,8 +187,6 @@ class Fetcher:
         self._task_names = sorted(tasks)
         #: Where the last claim ended (priority, run_at as text, id): claim_jobs_after's start.
         self.bound: tuple[int, str, int] | None = None
-        #: The bound was left by a short claim (claim_dry_position), not by a full one.
-        self._bound_dry = False
         #: What the last walk from the start of the index took (seconds): a claim from the start,
         #: or a sweep that walked to the bound.
         self._from_start_took = 0.0
@@ -411,15 +404,6 @@ class Fetcher:
         finally:
             self._reserved = 0
             self.state.wakeup.set()  # the budget set aside is free again
-        if len(rows) == limit and limit and self._bound_dry:
-            # Behind a short claim's bound (claim_dry_position) a whole backlog became
-            # claimable (a queue resumed, a limit removed): claims start from the start again,
-            # where it is, rather than taking it a sweep's share at a time.
-            self.bound = None
-            self._bound_dry = False
-            self._sweep_from = None
-            self._notified = True  # claim at once (the finally woke the loop)
-            return
         if len(rows) == limit and limit:
             self._swept_at = -math.inf  # more may wait: the next batch at once, from here
         else:
@@ -512,23 +496,12 @@ class Fetcher:
                 self._from_start_took = loop.time() - sent
                 # This claim walked what a sweep would: the next is due a period from now.
                 self._swept_at, self._sweep_from = sent, None
-                if len(rows) < limit and self._from_start_took >= SLOW_CLAIM:
-                    # It read to the end of the index, past jobs it cannot take: the next
-                    # claims start after everything that was waiting now (claim_dry_position).
-                    where = await conn.execute(
-                        self.dry_position, None if self.queues is None else params
-                    )
-                    position = await where.fetchone()
-                    if position is not None:
-                        self.bound = (position[0], position[1], LAST_ID)
-                        self._bound_dry = True
-                elif rows and self._from_start_took >= SLOW_CLAIM:
+                if rows and self._from_start_took >= SLOW_CLAIM:
                     # The next claims start here: where this one ended, in claim order.
                     where = await conn.execute(self.q.claim_position, {"id": rows[-1][0]})
                     position = await where.fetchone()
                     if position is not None:
                         self.bound = (position[0], position[1], rows[-1][0])
-                        self._bound_dry = False
             jobs = self._jobs(rows, token)
             if not self.tasks.keys() >= {job.task for job in jobs}:
                 jobs = await self._hand_back_unknown(conn, jobs)
