@@ -750,6 +750,33 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- claims from the start return no more than they always did.
 SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 
+-- name: claim_dry_position
+-- Where a claim from the start that was slow and came back short leaves the next ones
+-- (claim_jobs_after's bound), when it really read past jobs it could not take: the first
+-- waiting job in claim order is due, yet that claim did not take it (a paused or limited
+-- queue's backlog, jobs of limited tasks, jobs of tasks this worker does not know). The next
+-- claim from the start would read them all again to find nothing. No row when that first job is
+-- not due yet or none waits: the claim was only slow (a loaded machine), and nothing changes.
+-- The bound is that job's priority, a time no later than the claim's start and than any open
+-- transaction's of this database (%(lookback)s: seconds since the claim was sent, plus a
+-- margin; xact_start of the sessions this role may see), and past any id. A job enqueued,
+-- released, reaped or retried from then on has a later run_at and is claimed after it, and so
+-- has one a transaction already open then enqueues (run_at is its transaction's start). One that
+-- became claimable behind it (a queue resumed, a limit removed, a run_at set in the past) waits
+-- for the sweep (fetcher.py), as in claim_jobs_after. One descent of pgqueue_jobs_ready_idx and
+-- one pass over pg_stat_activity (in memory), only as claims enter this mode; rendered again
+-- for a worker's list of queues (claim_dry_position_in_queues), whose first priority is the one
+-- its claims start from.
+SELECT f.priority,
+       (least(now() - make_interval(secs => %(lookback)s),
+              (SELECT min(a.xact_start) FROM pg_stat_activity a
+               WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()))
+        - interval '1 microsecond')::text
+FROM (SELECT priority, run_at FROM {schema}.pgqueue_jobs
+      WHERE status IN ('queued', 'retrying') {queue_filter}
+      ORDER BY priority DESC, run_at, id LIMIT 1) f
+WHERE f.run_at <= now()
+
 -- name: vacuum_horizon_holder
 -- The oldest transaction of this database older than %(older_than)s seconds that holds back
 -- vacuum (it has a snapshot or an xid), as the dashboard's health strip finds it

@@ -82,6 +82,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         {**IN_QUEUES, "claim_limit": "%(limit)s", **SWEEP},
     ),
     "next_ready_at_in_queues": ("next_ready_at", IN_QUEUES),
+    "claim_dry_position_in_queues": ("claim_dry_position", IN_QUEUES),
     "complete_jobs_skip_locked": (
         "complete_jobs",
         {
@@ -185,6 +186,8 @@ class Queries:
     claim_jobs_before: bytes
     claim_jobs_before_in_queues: bytes
     claim_position: bytes
+    claim_dry_position: bytes
+    claim_dry_position_in_queues: bytes
     vacuum_horizon_holder: bytes
     begin_limited_claim: bytes
     limit_claim_timeout: bytes

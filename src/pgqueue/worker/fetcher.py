@@ -35,6 +35,13 @@ minutes, they were the 1.2 s of the pickup p99). A sweep whose walk is fast agai
 caught up: claims start from the beginning again. ``horizon.HorizonWatch`` names the
 transaction in the log.
 
+The same mode serves claims that read past a backlog they may not take (a paused or limited
+queue's, limited tasks' jobs): a slow claim from the start that came back short while the first
+waiting job is due leaves the next claims after everything waiting then (``claim_dry_position``,
+"the dry bound"). There the look at ``next_ready_at`` stays on the claim path (its walk does not
+read the backlog), a notification that finds nothing after the bound owes a sweep as soon as its
+period allows, and a sweep that comes back full sends claims back to the start.
+
 A job whose task this worker does not know (an older worker during a rolling deploy) is handed
 back at once without counting the attempt, and from then on the worker claims only its own tasks:
 such jobs wait, untouched, for a worker that knows them.
@@ -84,6 +91,8 @@ LIMIT_SCAN_MIN = 16
 LIMIT_SCAN_MAX = 1000
 #: The limited claim's session ends if it stalls this long inside its transaction (milliseconds).
 LIMIT_CLAIM_IDLE_MS = "5000"
+#: Past every job id: the bound a short slow claim leaves (claim_dry_position).
+LAST_ID = 2**63 - 1
 #: When another worker held a limit group or queue this claim wanted: look again after this
 #: long (doubling while it stays held, up to the poll interval).
 LIMIT_BUSY_RETRY = 0.01
@@ -149,6 +158,9 @@ class Fetcher:
         self.after = q.claim_jobs_after if queues is None else q.claim_jobs_after_in_queues
         self.before = q.claim_jobs_before if queues is None else q.claim_jobs_before_in_queues
         self.next_ready = q.next_ready_at if queues is None else q.next_ready_at_in_queues
+        self.dry_position = (
+            q.claim_dry_position if queues is None else q.claim_dry_position_in_queues
+        )
         self.claims = 0
         #: Claims that started where the last one ended (claim_jobs_after), and sweeps behind it.
         self.claims_after = 0
@@ -187,6 +199,10 @@ class Fetcher:
         self._task_names = sorted(tasks)
         #: Where the last claim ended (priority, run_at as text, id): claim_jobs_after's start.
         self.bound: tuple[int, str, int] | None = None
+        #: The bound was left by a short claim (claim_dry_position), not by a full one.
+        self._bound_dry = False
+        #: A notification found nothing after that bound: sweep once the period allows.
+        self._sweep_owed = False
         #: What the last walk from the start of the index took (seconds): a claim from the start,
         #: or a sweep that walked to the bound.
         self._from_start_took = 0.0
@@ -379,10 +395,13 @@ class Fetcher:
         if now - self._swept_at < period:
             return False
         # At most half of what the claims want, so they go on while it walks; all of one job
-        # only when a period overdue (a worker that frees one slot at a time still sweeps).
-        reserve = min(want // 2, SWEEP_LIMIT) or int(now - self._swept_at >= 2 * period)
+        # only when a period overdue (a worker that frees one slot at a time still sweeps) or
+        # owed to a notification that found nothing after a short claim's bound.
+        overdue = now - self._swept_at >= 2 * period or self._sweep_owed
+        reserve = min(want // 2, SWEEP_LIMIT) or int(overdue)
         if not reserve:
             return False
+        self._sweep_owed = False
         self._swept_at = now
         self._reserved = reserve
         self._sweep = asyncio.create_task(self._sweep_round(self._reserved))
@@ -404,6 +423,15 @@ class Fetcher:
         finally:
             self._reserved = 0
             self.state.wakeup.set()  # the budget set aside is free again
+        if len(rows) == limit and limit and self._bound_dry:
+            # Behind a short claim's bound (claim_dry_position) a whole backlog became
+            # claimable (a queue resumed, a limit removed): claims start from the start again,
+            # where it is, rather than taking it a sweep's share at a time.
+            self.bound = None
+            self._bound_dry = False
+            self._sweep_from = None
+            self._notified = True  # claim at once (the finally woke the loop)
+            return
         if len(rows) == limit and limit:
             self._swept_at = -math.inf  # more may wait: the next batch at once, from here
         else:
@@ -496,12 +524,25 @@ class Fetcher:
                 self._from_start_took = loop.time() - sent
                 # This claim walked what a sweep would: the next is due a period from now.
                 self._swept_at, self._sweep_from = sent, None
-                if rows and self._from_start_took >= SLOW_CLAIM:
+                if len(rows) < limit and self._from_start_took >= SLOW_CLAIM:
+                    # It read to the end of the index, past jobs it cannot take: the next
+                    # claims start after everything that was waiting now (claim_dry_position).
+                    look: dict[str, Any] = {
+                        "lookback": loop.time() - sent + LOOKBACK_MARGIN,
+                        "queues": self.queues,
+                    }
+                    where = await conn.execute(self.dry_position, look)
+                    position = await where.fetchone()
+                    if position is not None:
+                        self.bound = (position[0], position[1], LAST_ID)
+                        self._bound_dry = True
+                elif rows and self._from_start_took >= SLOW_CLAIM:
                     # The next claims start here: where this one ended, in claim order.
                     where = await conn.execute(self.q.claim_position, {"id": rows[-1][0]})
                     position = await where.fetchone()
                     if position is not None:
                         self.bound = (position[0], position[1], rows[-1][0])
+                        self._bound_dry = False
             jobs = self._jobs(rows, token)
             if not self.tasks.keys() >= {job.task for job in jobs}:
                 jobs = await self._hand_back_unknown(conn, jobs)
@@ -603,14 +644,20 @@ class Fetcher:
                 bounded = self._claim_after_bound()
                 if bounded and self._start_sweep(now, want):
                     continue  # the budget left for this claim is smaller
-                if not bounded and maybe_more and now - self._checked >= DELAYED_CHECK:
+                if (
+                    (not bounded or self._bound_dry)
+                    and maybe_more
+                    and now - self._checked >= DELAYED_CHECK
+                ):
                     # Busy (or starting): an idle worker looks after each short claim instead,
                     # off the path of the job that woke it. While claims start where the last
-                    # ended, the sweep's round looks, off the claim path.
+                    # ended because vacuum is held back, the sweep's round looks, off the claim
+                    # path (the look's walk is as slow as the claims'); behind a short claim's
+                    # bound it is as fast as ever.
                     await self._learn_next_due(loop)
                     self._refresh()
                 state.wakeup.clear()
-                self._notified = False
+                notified, self._notified = self._notified, False
                 try:
                     jobs = await self.claim_round(want)
                     failures = 0
@@ -631,9 +678,17 @@ class Fetcher:
                 # A short claim: the queue is drained and the fetcher will wait, so producers
                 # should notify (see notifier). A full one: it claims again on its own.
                 self.on_waiting(not maybe_more)
+                if not maybe_more and notified and self._bound_dry and self._claim_after_bound():
+                    # Woken for work that the claim after a short claim's bound did not find:
+                    # it may lie behind the bound (a transaction that began before it, a queue
+                    # resumed). The sweep looks there as soon as its period allows, even for a
+                    # worker that then waits (see _start_sweep).
+                    self._sweep_owed = True
+                    due = self._swept_at + self._bound_period()
+                    self._due_at = due if self._due_at is None else min(due, self._due_at)
                 if (
                     not maybe_more
-                    and not self._claim_after_bound()
+                    and (not self._claim_after_bound() or self._bound_dry)
                     # Short because the limits' slots ran out, not the jobs: the end of each
                     # limited job just claimed wakes this loop to claim again (slot_freed), and
                     # a busy worker's look at delayed jobs is the once-a-second one above. A
