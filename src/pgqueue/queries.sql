@@ -759,7 +759,8 @@ SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 -- not due yet or none waits: the claim was only slow (a loaded machine), and nothing changes.
 -- The bound is that job's priority, a time no later than the claim's start and than any open
 -- transaction's of this database (%(lookback)s: seconds since the claim was sent, plus a
--- margin; xact_start of the sessions this role may see), and past any id. A job enqueued,
+-- margin; xact_start of the client sessions this role may see: an autovacuum of the table, which
+-- enqueues nothing, would hold the bound back for as long as it runs), and past any id. A job enqueued,
 -- released, reaped or retried from then on has a later run_at and is claimed after it, and so
 -- has one a transaction already open then enqueues (run_at is its transaction's start). One that
 -- became claimable behind it (a queue resumed, a limit removed, a run_at set in the past) waits
@@ -770,7 +771,8 @@ SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 SELECT f.priority,
        (least(now() - make_interval(secs => %(lookback)s),
               (SELECT min(a.xact_start) FROM pg_stat_activity a
-               WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()))
+               WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                     AND a.backend_type = 'client backend'))
         - interval '1 microsecond')::text
 FROM (SELECT priority, run_at FROM {schema}.pgqueue_jobs
       WHERE status IN ('queued', 'retrying') {queue_filter}
