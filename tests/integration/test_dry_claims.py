@@ -110,25 +110,40 @@ def every_claim_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetcher, "BOUND_RESET_RATIO", 1.0)
 
 
-@pytest.mark.parametrize("queues", [None, ["held", "live"]])
-async def test_after_a_slow_dry_claim_new_jobs_start_and_a_resumed_backlog_is_swept(
-    app: pgqueue.App, conn: Conn, every_claim_slow: None, queues: list[str] | None
-) -> None:
-    """The worker finds only a paused backlog: its claim from the start comes back empty and it
-    claims after the bound from then on, so the next jobs (another queue's) are claimed without
-    that walk; once the queue is resumed, its backlog (behind the bound) is swept and runs."""
+@pytest.fixture
+def ran(app: pgqueue.App) -> list[str]:
+    """The queues of the jobs task ``work`` ran, in order."""
     ran: list[str] = []
 
     @app.task
     async def work(queue: str) -> None:
         ran.append(queue)
 
+    return ran
+
+
+def pause_with_backlog(app: pgqueue.App, jobs: int) -> None:
+    """Queue ``held`` paused with that many jobs of ``work`` waiting."""
     app.pause_queue("held")
-    app.enqueue_many([{"task": "work", "args": {"queue": "held"}, "queue": "held"}] * 500)
+    app.enqueue_many([{"task": "work", "args": {"queue": "held"}, "queue": "held"}] * jobs)
+
+
+async def behind_a_dry_bound(claims: fetcher.Fetcher) -> None:
+    """Wait until the worker's claims start after a short claim's bound."""
+    await wait_until_async(lambda: claims.bound is not None and claims.bound[2] == fetcher.LAST_ID)
+
+
+@pytest.mark.parametrize("queues", [None, ["held", "live"]])
+async def test_after_a_slow_dry_claim_new_jobs_start_and_a_resumed_backlog_is_swept(
+    app: pgqueue.App, ran: list[str], conn: Conn, every_claim_slow: None, queues: list[str] | None
+) -> None:
+    """The worker finds only a paused backlog: its claim from the start comes back empty and it
+    claims after the bound from then on, so the next jobs (another queue's) are claimed without
+    that walk; once the queue is resumed, its backlog (behind the bound) is swept and runs."""
+    pause_with_backlog(app, 500)
     async with running_worker(app, concurrency=4, queues=queues, **FAST) as worker:
         claims = worker.fetcher
-        await wait_until_async(lambda: claims.claims >= 1 and claims.bound is not None)
-        assert claims.bound is not None and claims.bound[2] == fetcher.LAST_ID
+        await behind_a_dry_bound(claims)
         assert ran == []
         after = claims.claims_after
         app.enqueue_many([{"task": "work", "args": {"queue": "live"}, "queue": "live"}] * 20)
@@ -144,16 +159,10 @@ IDLE = {**FAST, "poll_interval": 60.0}  # only a wake-up or the worker's own loo
 
 
 async def test_a_slow_claim_that_skipped_nothing_keeps_delayed_jobs_on_time(
-    app: pgqueue.App, every_claim_slow: None
+    app: pgqueue.App, ran: list[str], every_claim_slow: None
 ) -> None:
     """Every claim counts as slow, as on a loaded machine, but the queue holds only a job not
     due yet: no bound, and the job starts when due (the poll is a minute away)."""
-    ran: list[str] = []
-
-    @app.task
-    async def work(queue: str) -> None:
-        ran.append(queue)
-
     async with running_worker(app, concurrency=4, **IDLE) as worker:
         app.enqueue("work", {"queue": "live"}, queue="live", delay=1.0)
         await wait_until_async(lambda: ran == ["live"], timeout=15)
@@ -163,70 +172,52 @@ async def test_a_slow_claim_that_skipped_nothing_keeps_delayed_jobs_on_time(
 
 @pytest.mark.parametrize("queues", [None, ["held", "live"]])
 async def test_behind_a_dry_bound_delayed_jobs_still_start_when_due(
-    app: pgqueue.App, every_claim_slow: None, queues: list[str] | None
+    app: pgqueue.App, ran: list[str], every_claim_slow: None, queues: list[str] | None
 ) -> None:
     """A paused backlog puts the worker behind a dry bound; a job enqueued to run a second later
     in another queue starts then, found by the look at next_ready_at after the short claim
     (skipped behind the bound before: the job waited for the poll)."""
-    ran: list[str] = []
-
-    @app.task
-    async def work(queue: str) -> None:
-        ran.append(queue)
-
-    app.pause_queue("held")
-    app.enqueue_many([{"task": "work", "args": {"queue": "held"}, "queue": "held"}] * 50)
+    pause_with_backlog(app, 50)
     async with running_worker(app, concurrency=4, queues=queues, **IDLE) as worker:
         claims = worker.fetcher
-        await wait_until_async(lambda: claims.bound is not None)
-        assert claims.bound is not None and claims.bound[2] == fetcher.LAST_ID
+        await behind_a_dry_bound(claims)
         app.enqueue("work", {"queue": "live"}, queue="live", delay=1.0)
         await wait_until_async(lambda: ran == ["live"], timeout=15)
 
 
 async def test_a_job_enqueued_in_a_transaction_open_before_the_bound_starts_at_commit(
-    app: pgqueue.App, dsn: str, every_claim_slow: None, monkeypatch: pytest.MonkeyPatch
+    app: pgqueue.App,
+    ran: list[str],
+    dsn: str,
+    every_claim_slow: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The transaction began (and enqueued) before the worker entered the dry bound: its job's
     run_at is that start. It commits later; the claims after the bound take it at once, with
     the sweep a minute away."""
     monkeypatch.setattr(fetcher, "BOUND_RESET", 60.0)
-    ran: list[str] = []
-
-    @app.task
-    async def work(queue: str) -> None:
-        ran.append(queue)
-
-    app.pause_queue("held")
-    app.enqueue_many([{"task": "work", "args": {"queue": "held"}, "queue": "held"}] * 50)
+    pause_with_backlog(app, 50)
     with psycopg.connect(dsn) as other:
         app.enqueue("work", {"queue": "live"}, queue="live", connection=other)
         async with running_worker(app, concurrency=4, **IDLE) as worker:
             claims = worker.fetcher
-            await wait_until_async(lambda: claims.bound is not None)
+            await behind_a_dry_bound(claims)
             assert claims.bound is not None and claims.bound[2] == fetcher.LAST_ID
             other.commit()
             await wait_until_async(lambda: ran == ["live"], timeout=15)
 
 
 async def test_a_notification_that_finds_nothing_after_the_bound_owes_a_sweep(
-    app: pgqueue.App, every_claim_slow: None, monkeypatch: pytest.MonkeyPatch
+    app: pgqueue.App, ran: list[str], every_claim_slow: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A job enqueued behind the bound (its run_at set in the past) wakes the worker, whose
     claim after the bound finds nothing; the sweep then runs at the end of its period although
     the worker waits (the poll is a minute away)."""
     monkeypatch.setattr(fetcher, "BOUND_RESET", 3.0)
-    ran: list[str] = []
-
-    @app.task
-    async def work(queue: str) -> None:
-        ran.append(queue)
-
-    app.pause_queue("held")
-    app.enqueue_many([{"task": "work", "args": {"queue": "held"}, "queue": "held"}] * 50)
+    pause_with_backlog(app, 50)
     async with running_worker(app, concurrency=1, **IDLE) as worker:
         claims = worker.fetcher
-        await wait_until_async(lambda: claims.bound is not None)
+        await behind_a_dry_bound(claims)
         past = datetime.now(UTC) - timedelta(hours=1)
         app.enqueue("work", {"queue": "live"}, queue="live", run_at=past)
         await wait_until_async(lambda: ran == ["live"], timeout=20)
@@ -256,9 +247,7 @@ async def test_a_worker_busy_with_a_limited_queue_stops_rereading_its_backlog(
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
     async with running_worker(app, concurrency=4, **IDLE) as worker:
         claims = worker.fetcher
-        await wait_until_async(
-            lambda: claims.bound is not None and claims.bound[2] == fetcher.LAST_ID
-        )
+        await behind_a_dry_bound(claims)
         await wait_until_async(lambda: claims.sweeps_run >= 2)
         after = claims.claims_after
         await wait_until_async(lambda: claims.claims_after > after + 5)
