@@ -38,8 +38,8 @@ transaction in the log.
 The same mode serves claims that read past a backlog they may not take (a paused or limited
 queue's, limited tasks' jobs): a claim from the start that took ``DRY_CLAIM`` and came back
 short while the first waiting job is due leaves the next claims after everything waiting then
-(``claim_dry_position``, "the dry bound"). There the look at ``next_ready_at`` stays on the
-claim path (its walk does not read the backlog), a notification that finds nothing after the
+(``claim_dry_position``, "the dry bound"). There the look at ``next_ready_at`` after a short
+claim goes on as a task beside the claims (``_look_beside``), a notification that finds nothing after the
 bound owes a sweep as soon as its period allows (a slot freed by this worker's own job does
 not), and a sweep that comes back full sends claims back to the start.
 
@@ -213,6 +213,8 @@ class Fetcher:
         self._bound_dry = False
         #: A notification found nothing after that bound: sweep once the period allows.
         self._sweep_owed = False
+        #: The look at next_ready_at in flight beside the claims (behind a short claim's bound).
+        self._look: asyncio.Task[None] | None = None
         #: What the last walk from the start of the index took (seconds): a claim from the start,
         #: or a sweep that walked to the bound.
         self._from_start_took = 0.0
@@ -396,6 +398,20 @@ class Fetcher:
         """Whether claims start where the last one ended (see the module docstring)."""
         slow = DRY_CLAIM if self._bound_dry else SLOW_CLAIM
         return self.bound is not None and self._from_start_took >= slow
+
+    def _look_beside(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Behind a short claim's bound: the look at next_ready_at that the claim loop makes
+        after a short claim, as a task beside the claims (cheap there, but vacuum may be held
+        back too, and then it is as slow as a claim from the start), which wakes the loop to
+        recompute its wait."""
+        if self._look is not None and not self._look.done():
+            return
+
+        async def look() -> None:
+            await self._learn_next_due(loop)
+            self.state.wakeup.set()
+
+        self._look = asyncio.create_task(look())
 
     def _start_sweep(self, now: float, want: int) -> bool:
         """Start a sweep behind the bound if one is due, with part of ``want`` set aside for it
@@ -633,8 +649,9 @@ class Fetcher:
         try:
             await self._run(stopping)
         finally:
-            if self._horizon_look is not None and not self._horizon_look.done():
-                self._horizon_look.cancel()  # a diagnosis: not worth delaying a shutdown
+            for side in (self._horizon_look, self._look):
+                if side is not None and not side.done():
+                    side.cancel()  # a diagnosis or a look: not worth delaying a shutdown
             if self._sweep is not None and not self._sweep.done():
                 # Never cancelled: the jobs it claims go through start (handed back when
                 # stopping), not left running under this worker's lease.
@@ -657,18 +674,17 @@ class Fetcher:
                 bounded = self._claim_after_bound()
                 if bounded and self._start_sweep(now, want):
                     continue  # the budget left for this claim is smaller
-                if (
-                    (not bounded or self._bound_dry)
-                    and maybe_more
-                    and now - self._checked >= DELAYED_CHECK
-                ):
+                if maybe_more and now - self._checked >= DELAYED_CHECK:
                     # Busy (or starting): an idle worker looks after each short claim instead,
                     # off the path of the job that woke it. While claims start where the last
                     # ended because vacuum is held back, the sweep's round looks, off the claim
                     # path (the look's walk is as slow as the claims'); behind a short claim's
-                    # bound it is as fast as ever.
-                    await self._learn_next_due(loop)
-                    self._refresh()
+                    # bound the look goes on beside the claims (vacuum may be held back too).
+                    if not bounded:
+                        await self._learn_next_due(loop)
+                        self._refresh()
+                    elif self._bound_dry:
+                        self._look_beside(loop)
                 state.wakeup.clear()
                 self._notified = False
                 notified, self._told = self._told, False
@@ -700,20 +716,19 @@ class Fetcher:
                     self._sweep_owed = True
                     due = self._swept_at + self._bound_period()
                     self._due_at = due if self._due_at is None else min(due, self._due_at)
-                if (
-                    not maybe_more
-                    and (not self._claim_after_bound() or self._bound_dry)
+                if not maybe_more and not (
                     # Short because the limits' slots ran out, not the jobs: the end of each
                     # limited job just claimed wakes this loop to claim again (slot_freed), and
                     # a busy worker's look at delayed jobs is the once-a-second one above. A
                     # look after every such claim cost a round trip per slot cycle.
-                    and not (
-                        any(job.limited for job in jobs) and now - self._checked < DELAYED_CHECK
-                    )
+                    any(job.limited for job in jobs) and now - self._checked < DELAYED_CHECK
                 ):
-                    # The jobs just claimed start first (their slots run at this yield).
-                    await asyncio.sleep(0)
-                    await self._learn_next_due(loop)
+                    if not self._claim_after_bound():
+                        # The jobs just claimed start first (their slots run at this yield).
+                        await asyncio.sleep(0)
+                        await self._learn_next_due(loop)
+                    elif self._bound_dry:
+                        self._look_beside(loop)
                 continue
             wake_at = next_poll if self._due_at is None else min(next_poll, self._due_at)
             woke = await self._wait(stopping, max(wake_at - loop.time(), 0.0))
