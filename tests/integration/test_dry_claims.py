@@ -225,13 +225,15 @@ async def test_a_notification_that_finds_nothing_after_the_bound_owes_a_sweep(
 
 
 async def test_a_worker_busy_with_a_limited_queue_stops_rereading_its_backlog(
-    app: pgqueue.App, conn: Conn
+    app: pgqueue.App, conn: Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Default thresholds: a queue limited to 2 with 15,000 jobs waiting keeps the worker busy,
     and every plain claim read that backlog (a few ms each, every DRY_FOR). The plain claims
     start after it, and stay there past the sweeps that read it again (with the horizon's
     20 ms threshold a walk of a few ms ended the mode at the first sweep); another queue's
-    jobs still run at once."""
+    jobs still run at once. Sweeps every second whatever their walk takes: on a loaded machine
+    a walk of 0.5 s would otherwise space them 10 s apart."""
+    monkeypatch.setattr(fetcher, "BOUND_RESET_RATIO", 1.0)
     ran: list[str] = []
 
     @app.task
@@ -248,8 +250,8 @@ async def test_a_worker_busy_with_a_limited_queue_stops_rereading_its_backlog(
     async with running_worker(app, concurrency=4, **IDLE) as worker:
         claims = worker.fetcher
         await behind_a_dry_bound(claims)
-        await wait_until_async(lambda: claims.sweeps_run >= 2)
+        await wait_until_async(lambda: claims.sweeps_run >= 2, timeout=60)
         after = claims.claims_after
-        await wait_until_async(lambda: claims.claims_after > after + 5)
+        await wait_until_async(lambda: claims.claims_after > after + 5, timeout=60)
         app.enqueue_many([{"task": "work", "args": {"queue": "live"}, "queue": "live"}] * 10)
         await wait_until_async(lambda: ran.count("live") == 10)
