@@ -759,10 +759,11 @@ SELECT priority, run_at::text FROM {schema}.pgqueue_jobs WHERE id = %(id)s
 -- not due yet or none waits: the claim was only slow (a loaded machine), and nothing changes.
 -- The bound is that job's priority, a time no later than the claim's start and than any open
 -- transaction's of this database (%(lookback)s: seconds since the claim was sent, plus a
--- margin; xact_start of the client sessions this role may see: an autovacuum of the table, which
--- enqueues nothing, would hold the bound back for as long as it runs), and past any id. A job enqueued,
--- released, reaped or retried from then on has a later run_at and is claimed after it, and so
--- has one a transaction already open then enqueues (run_at is its transaction's start). One that
+-- margin; xact_start of the client sessions this role may see: an autovacuum of the table,
+-- which enqueues nothing, would hold the bound back for as long as it runs), and past any id.
+-- A job enqueued, released, reaped or retried from then on has a later run_at and is claimed
+-- after it, and so has one a transaction already open then enqueues (run_at is its
+-- transaction's start). One that
 -- became claimable behind it (a queue resumed, a limit removed, a run_at set in the past) waits
 -- for the sweep (fetcher.py), as in claim_jobs_after. One descent of pgqueue_jobs_ready_idx and
 -- one pass over pg_stat_activity (in memory), only as claims enter this mode; rendered again

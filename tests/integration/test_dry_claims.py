@@ -3,10 +3,11 @@
 A paused or limited queue's backlog, or the jobs of limited tasks, stay in the ready index in
 claim order: a claim from the start reads each of them (a heap visit) to find nothing, and a
 worker busy with limited jobs, or woken by every insert into the paused queue, claimed from the
-start again and again (200,000 paused jobs: 35 ms of the database per claim). A claim that was
-slow and short leaves the next ones after everything that was waiting then (claim_dry_position,
-claim_jobs_after), and the sweep behind that bound takes what becomes claimable there (a queue
-resumed): the costly walk runs at most once a sweep period, beside the claims.
+start again and again (200,000 paused jobs: 35 ms of the database per claim). A claim that took
+DRY_CLAIM and came back short while the first waiting job is due leaves the next ones after
+everything that was waiting then (claim_dry_position, claim_jobs_after), and the sweep behind
+that bound takes what becomes claimable there (a queue resumed): the costly walk runs at most
+once a sweep period, beside the claims.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def test_the_dry_bound_is_before_every_open_transaction(dsn: str, conn: Conn) ->
         other.execute("SELECT 1")  # its transaction starts now
         started = other.execute("SELECT now()::text").fetchone()
         look = {"lookback": 0.05, "queues": None}
-        conn.execute("SELECT pg_sleep(0.05)")
+        # Well past the lookback: a bound from the lookback alone would lie after that start.
+        conn.execute("SELECT pg_sleep(0.25)")
         position = conn.execute(q.claim_dry_position, look).fetchone()
         assert position is not None and started is not None
         before = conn.execute(
@@ -199,6 +201,7 @@ async def test_a_job_enqueued_in_a_transaction_open_before_the_bound_starts_at_c
     pause_with_backlog(app, 50)
     with psycopg.connect(dsn) as other:
         app.enqueue("work", {"queue": "live"}, queue="live", connection=other)
+        other.execute("SELECT pg_sleep(0.25)")  # the transaction goes on with other work
         async with running_worker(app, concurrency=4, **IDLE) as worker:
             claims = worker.fetcher
             await behind_a_dry_bound(claims)

@@ -39,9 +39,9 @@ The same mode serves claims that read past a backlog they may not take (a paused
 queue's, limited tasks' jobs): a claim from the start that took ``DRY_CLAIM`` and came back
 short while the first waiting job is due leaves the next claims after everything waiting then
 (``claim_dry_position``, "the dry bound"). There the look at ``next_ready_at`` after a short
-claim goes on as a task beside the claims (``_look_beside``), a notification that finds nothing after the
-bound owes a sweep as soon as its period allows (a slot freed by this worker's own job does
-not), and a sweep that comes back full sends claims back to the start.
+claim goes on as a task beside the claims (``_look_beside``), a notification that finds nothing
+after the bound owes a sweep as soon as its period allows (a slot freed by this worker's own job
+does not), and a sweep that comes back full sends claims back to the start.
 
 A job whose task this worker does not know (an older worker during a rolling deploy) is handed
 back at once without counting the attempt, and from then on the worker claims only its own tasks:
@@ -708,7 +708,8 @@ class Fetcher:
                 # A short claim: the queue is drained and the fetcher will wait, so producers
                 # should notify (see notifier). A full one: it claims again on its own.
                 self.on_waiting(not maybe_more)
-                if not maybe_more and notified and self._bound_dry and self._claim_after_bound():
+                dry = self._bound_dry and self._claim_after_bound()
+                if not maybe_more and notified and dry:
                     # Woken for work that the claim after a short claim's bound did not find:
                     # it may lie behind the bound (a transaction that began before it, a queue
                     # resumed). The sweep looks there as soon as its period allows, even for a
@@ -727,7 +728,7 @@ class Fetcher:
                         # The jobs just claimed start first (their slots run at this yield).
                         await asyncio.sleep(0)
                         await self._learn_next_due(loop)
-                    elif self._bound_dry:
+                    elif dry:
                         self._look_beside(loop)
                 continue
             wake_at = next_poll if self._due_at is None else min(next_poll, self._due_at)
