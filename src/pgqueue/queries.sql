@@ -796,11 +796,31 @@ ORDER BY a.xact_start LIMIT 1
 -- The limited claim's transaction counts slots in its second statement with a snapshot newer
 -- than its locks: READ COMMITTED whatever the server's default. A claimer that stalls between
 -- its statements (SIGSTOP) would hold its groups' locks: its session ends after %(idle)s ms
--- idle in the transaction (limit_claim_timeout), which gives the locks back and claims nothing.
+-- idle in the transaction (limit_claim_settings), which gives the locks back and claims nothing.
 SET TRANSACTION ISOLATION LEVEL READ COMMITTED
 
--- name: limit_claim_timeout
-SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
+-- name: limit_claim_settings
+-- The limited claim's settings, for its transaction only (set_config(..., true): nothing stays
+-- on the session, so a transaction-pooling PgBouncer is safe). The idle timeout: see
+-- begin_limited_claim. Then every read of pgqueue_jobs a plain index scan: both statements count
+-- running jobs (`held`) through pgqueue_jobs_running_idx or pgqueue_jobs_running_limited_idx,
+-- whose entries for every job that ran since the last vacuum point at dead row versions. A plain
+-- index scan marks those entries dead as it passes them (once no snapshot can see the rows) and
+-- later scans step over them; a bitmap scan never marks them and visits each one's heap row,
+-- every claim, and a sequential scan reads the whole table. Planned with statistics taken while
+-- jobs ran, the counts were bitmap scans: a queue limited to 100 with 300,000 jobs drained at
+-- 6,500 jobs/s, its claim growing from 3.6 to 14 ms as the drain went on (191,000 dead versions
+-- visited by one count); with bitmap scans off, 16,500 jobs/s, the claim flat at 2.9 ms, and a
+-- limit per key over 1,000 keys 9,800 -> 17,600 jobs/s (docs/performance.md). Sequential scans
+-- are off too, so that statistics taken while most of a small table ran cannot turn a count into
+-- a scan of the table once it has grown. The statements' other reads (the walk's descents, each
+-- group's and queue's jobs in claim order up to a LIMIT, probes by primary key) are index scans
+-- either way; pgqueue_queues, a few rows, is still read whole where no index applies, and that
+-- scan, now costed as disabled, puts the plan's estimate above jit_above_cost: JIT is off, or it
+-- compiles the walk on every claim (0.43 s each, seen with enable_seqscan off alone).
+SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true),
+       set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true),
+       set_config('jit', 'off', true)
 
 -- name: lock_limit_groups
 -- The limited claim's first statement (concepts/limits.md), in a READ COMMITTED transaction

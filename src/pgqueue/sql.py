@@ -190,7 +190,7 @@ class Queries:
     claim_dry_position_in_queues: bytes
     vacuum_horizon_holder: bytes
     begin_limited_claim: bytes
-    limit_claim_timeout: bytes
+    limit_claim_settings: bytes
     lock_limit_groups: bytes
     claim_limited_jobs: bytes
     next_ready_at: bytes

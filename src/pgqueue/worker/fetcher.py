@@ -312,13 +312,13 @@ class Fetcher:
         claim: psycopg.AsyncCursor[Any] | None = None
         async with self.pool.connection() as conn:
             self._claim_sent = asyncio.get_running_loop().time()
-            # Two round trips, in pipeline mode: BEGIN, the isolation level, the timeout and the
+            # Two round trips, in pipeline mode: BEGIN, the isolation level, the settings and the
             # walk go together (the walk's rows are needed for the claim, which therefore starts
             # after the walk ended: its snapshot is newer than the locks), then the claim and
             # COMMIT. One round trip per statement made six.
             async with conn.pipeline(), conn.transaction():
                 await conn.execute(q.begin_limited_claim)
-                await conn.execute(q.limit_claim_timeout, {"idle": LIMIT_CLAIM_IDLE_MS})
+                await conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
                 cur = await conn.execute(q.lock_limit_groups, params)
                 # In walk order (the statement's joins may return its rows in another): the
                 # claim gives turns in the order of g_tasks, and the cursor is a walk position.
