@@ -328,6 +328,33 @@ def unexplained_duplicates(conn: Conn, *, failures_explain: bool = False) -> lis
     ]
 
 
+def describe_jobs(conn: Conn, job_ids: list[int]) -> list[str]:
+    """Each job's recorded transitions and handler runs, one line each, and the worker lease
+    lapses: what a failure note needs to say why a re-claim was not explained."""
+    lines = []
+    for job_id in job_ids:
+        for at, old, new, old_token, new_token, worker, attempts, expires, error in conn.execute(
+            "SELECT at, old_status, new_status, old_token, new_token, new_worker,"
+            " old_attempts || '->' || new_attempts, old_expires::text, left(new_error, 60)"
+            " FROM history_transitions WHERE job_id = %s ORDER BY seq",
+            (job_id,),
+        ).fetchall():
+            lines.append(
+                f"job {job_id} {at:%H:%M:%S.%f} {old}->{new} token {old_token}->{new_token}"
+                f" worker {worker} attempts {attempts} lease until {expires} error {error!r}"
+            )
+        for at, event, token, pid in conn.execute(
+            "SELECT at, event, lease_token, pid FROM history_runs WHERE job_id = %s ORDER BY seq",
+            (job_id,),
+        ).fetchall():
+            lines.append(f"job {job_id} {at:%H:%M:%S.%f} handler {event} token {token} pid {pid}")
+    for worker, expired, renewed in conn.execute(
+        "SELECT worker_id, expired_at, renewed_at FROM history_lapses ORDER BY renewed_at"
+    ).fetchall():
+        lines.append(f"lapse: worker {worker} lease ran out {expired}, renewed {renewed}")
+    return lines
+
+
 def duplicate_executions(conn: Conn) -> int:
     """Handler starts beyond the first, over all jobs."""
     row = conn.execute(

@@ -130,6 +130,12 @@ def test_sigkill_loses_nothing_and_every_rerun_follows_an_expired_lease(
     rerun = {job for job, tokens in claims.items() if len(tokens) > 1}
     assert set(in_flight) <= rerun  # everything the victim held ran again...
     assert history.unexplained_duplicates(conn) == []  # ...each after its lease expired
+    # What a failing chaos check would print for a re-run job: both claims, the reap between
+    # them, and the handler's runs.
+    described = "\n".join(history.describe_jobs(conn, [min(rerun)]))
+    assert described.count("->running token") == 2, described
+    assert "running->retrying" in described and "LeaseExpired" in described, described
+    assert "handler start" in described, described
     attempts: dict[int, int] = dict(
         conn.execute("SELECT id, attempts FROM pgqueue_jobs").fetchall()
     )

@@ -479,5 +479,6 @@ def check(
     }
     if unexplained:
         result.notes.append(f"unexplained re-claims (job, token): {unexplained[:5]}")
+        result.notes.extend(history.describe_jobs(conn, [job for job, _ in unexplained[:3]]))
     result.notes.extend(limited.notes)
     return result
