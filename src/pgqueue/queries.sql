@@ -942,7 +942,10 @@ FROM queues q
 -- is judged at this statement's start (statement_timestamp(), never now(), the transaction's),
 -- claimed_at is that time too, and the starts are logged with clock_timestamp(), taken after the
 -- rows were claimed: a later claim's window then always covers them (the fault suite found the
--- rate exceeded when both were now()). Due rows are still those due at the transaction's start.
+-- rate exceeded when both were now()). The worker's lease is checked at this statement's start
+-- too: checked at now(), a claimer whose lease ran out while it stalled after the walk still
+-- claimed, and a reaper that had seen the lapse could take those jobs back as they started (a
+-- loaded chaos run's blackhole). Due rows are still those due at the transaction's start.
 -- Slots are counted in `held`: one pass over the running jobs that have a limit group or are in
 -- a locked queue (bounded by the fleet's concurrency), counted per group and per queue at once
 -- (GROUPING SETS; rows of neither kind get the key '', which no group has) into a jsonb object
@@ -1025,7 +1028,7 @@ claimed AS (
         lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = statement_timestamp(), started_at = NULL
     WHERE j.id = ANY(ARRAY(SELECT id FROM taken))
       AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
-                  WHERE w.id = %(worker_id)s AND w.lease_expires_at > now())
+                  WHERE w.id = %(worker_id)s AND w.lease_expires_at > statement_timestamp())
     RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM now() - j.run_at)::float8 AS w,
               j.priority, j.run_at, j.meta
