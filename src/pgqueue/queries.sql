@@ -983,7 +983,7 @@ bud AS (
             FROM {schema}.pgqueue_rates rt, unnest(rt.times, rt.counts) x(at, c)
             WHERE g.rate_limit IS NOT NULL AND rt.name = g.name
                   AND x.at > statement_timestamp() - make_interval(secs => g.rate_period))
-    ) AS room
+    ) room
     FROM grp g
 ),
 rated AS MATERIALIZED (SELECT * FROM bud WHERE rate_limit IS NOT NULL),
@@ -1012,9 +1012,9 @@ cand AS (
 ),
 taken AS (
     SELECT r.id FROM (
-        SELECT r.*, row_number() OVER (PARTITION BY r.queue ORDER BY r.tu, r.ord) AS nq
+        SELECT r.*, row_number() OVER (PARTITION BY r.queue ORDER BY r.tu, r.ord) nq
         FROM (SELECT c.*, row_number() OVER (PARTITION BY c.ord, c.what
-                                             ORDER BY c.priority DESC, c.run_at, c.id) AS tu
+                                             ORDER BY c.priority DESC, c.run_at, c.id) tu
               FROM cand c) r
     ) r
     LEFT JOIN bud b ON b.ord = 0 AND b.what = r.queue
@@ -1027,10 +1027,10 @@ claimed AS (
     SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
         lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = statement_timestamp(), started_at = NULL
     WHERE j.id = ANY(ARRAY(SELECT id FROM taken))
-      AND EXISTS (SELECT FROM {schema}.pgqueue_workers w
-                  WHERE w.id = %(worker_id)s AND w.lease_expires_at > statement_timestamp())
+      AND EXISTS (SELECT FROM {schema}.pgqueue_workers w WHERE w.id = %(worker_id)s
+                  AND w.lease_expires_at > statement_timestamp())
     RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
-              extract(epoch FROM now() - j.run_at)::float8 AS w,
+              extract(epoch FROM now() - j.run_at)::float8 w,
               j.priority, j.run_at, j.meta
 ),
 logged AS (
@@ -1044,7 +1044,7 @@ logged AS (
     SET period = EXCLUDED.period, (times, counts) = (
         SELECT array_agg(x.at ORDER BY x.at) || EXCLUDED.times,
                array_agg(x.c ORDER BY x.at) || EXCLUDED.counts
-        FROM unnest(rt.times, rt.counts) AS x(at, c)
+        FROM unnest(rt.times, rt.counts) x(at, c)
         WHERE x.at > now() - make_interval(secs => EXCLUDED.period))
 )
 SELECT id, queue, task, args::text, attempts, max_attempts, w, limit_key, meta::text
