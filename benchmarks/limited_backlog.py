@@ -19,14 +19,14 @@ import asyncio
 import dataclasses
 import statistics
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 import pgqueue
+from pgqueue.bench.adapter import KEYED_TASK, PgqueueAdapter, declare_keyed
+from pgqueue.bench.processes import Databases
 from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.sql import render
 from pgqueue.worker.fetcher import Fetcher
@@ -34,50 +34,30 @@ from pgqueue.worker.runtime import loop_factory
 from pgqueue.worker.state import ClaimedJob
 
 CONCURRENCY = 100
-KEYS = 1_000
 FILL = 5_000
 #: The variant with the planner's own choice: the claim's settings without the scan settings.
 PLANNERS_CHOICE = "SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)"
-REMAINING = (
-    "SELECT (SELECT count(*) FROM pgqueue_jobs WHERE status IN ('queued', 'retrying'))"
-    " + (SELECT count(*) FROM pgqueue_jobs WHERE status = 'running')"
-)
 
 
-def _database(dsn: str) -> str:
-    name = f"pgqueue_limited_backlog_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return psycopg.conninfo.make_conninfo(dsn, dbname=name)
-
-
-def _drop(dsn: str, database: str) -> None:
-    name = psycopg.conninfo.conninfo_to_dict(database)["dbname"]
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(str(name))))
+async def _noop(seq: int) -> None: ...
 
 
 def _app(dsn: str) -> pgqueue.App:
+    """The benchmark's tasks: ``noop`` for the queue limit, and ``pgqueue bench``'s keyed task
+    (``limit=1`` per key over its 1,000 keys)."""
     app = pgqueue.App(dsn)
-
-    @app.task(name="plain")
-    async def plain(n: int) -> None: ...
-
-    @app.task(name="keyed", limit=1, limit_key=lambda args: args["n"] % KEYS)
-    async def keyed(n: int) -> None: ...
-
+    app.task(name="noop")(_noop)
+    declare_keyed(app, _noop)
     return app
 
 
-def _drain(
-    dsn: str, database: str, jobs: int, limit: str, shipped: bool
-) -> tuple[float, list[float]]:
+def _drain(database: str, jobs: int, limit: str, shipped: bool) -> tuple[float, list[float]]:
     app = _app(database)
     try:
         app.migrate()
-        task = "keyed" if limit == "key" else "plain"
+        task = KEYED_TASK if limit == "key" else "noop"
         for start in range(0, jobs, FILL):
-            app.enqueue_many([(task, {"n": n}) for n in range(start, min(jobs, start + FILL))])
+            app.enqueue_many([(task, {"seq": n}) for n in range(start, min(jobs, start + FILL))])
         if limit == "queue":
             app.limit_queue(app.default_queue, limit=CONCURRENCY)
         if not shipped:
@@ -102,7 +82,6 @@ def _drain(
         return rate, claims
     finally:
         app.close()
-        _drop(dsn, database)
 
 
 def _run(main: Callable[[], Coroutine[Any, Any, float]]) -> float:
@@ -117,7 +96,7 @@ async def _work(app: pgqueue.App, database: str, jobs: int) -> float:
     async with await psycopg.AsyncConnection.connect(database, autocommit=True) as conn:
         while True:
             await asyncio.sleep(0.2)
-            row = await (await conn.execute(REMAINING)).fetchone()
+            row = await (await conn.execute(PgqueueAdapter.remaining_sql)).fetchone()
             if row is not None and row[0] == 0:
                 break
     took = time.perf_counter() - began
@@ -134,12 +113,14 @@ def _tenths(claims: list[float]) -> str:
 
 def bench(dsn: str, jobs: int, rounds: int, limits: list[str]) -> None:
     variants = {True: "index scans (shipped)", False: "planner's choice"}
+    databases = Databases(dsn)
     rates: dict[tuple[str, bool], list[float]] = {}
     for index in range(rounds):
         for limit in limits:
             order = (True, False) if index % 2 == 0 else (False, True)
             for shipped in order:
-                rate, claims = _drain(dsn, _database(dsn), jobs, limit, shipped)
+                with databases.fresh() as database:
+                    rate, claims = _drain(database, jobs, limit, shipped)
                 rates.setdefault((limit, shipped), []).append(rate)
                 print(
                     f"{limit:<6}{variants[shipped]:<24}{rate:>9,.0f} jobs/s"

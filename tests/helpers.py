@@ -25,7 +25,9 @@ from psycopg import conninfo, sql
 
 import pgqueue
 from pgqueue.db import channel_for
+from pgqueue.limits import group_name
 from pgqueue.sql import queries
+from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS
 from pgqueue.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +44,38 @@ def sqlalchemy_url(dsn: str) -> str:
         database=params.get("dbname"),
     )  # fmt: skip
     return url.render_as_string(hide_password=False)
+
+
+def limited_walk_params(tasks: list[str], scan: int = 16) -> dict[str, Any]:
+    """lock_limit_groups' parameters as Fetcher.claim_limited sends them, walking from the
+    start, for a worker of ``tasks`` serving every queue."""
+    return {"schema": "public", "queues": None, "tasks": tasks, "after_task": "",
+            "after_key": "", "scan": scan}  # fmt: skip
+
+
+def begin_limited_claim(conn: psycopg.Connection[Any], tasks: list[str]) -> list[Any]:
+    """The limited claim's transaction up to its walk, as Fetcher.claim_limited runs it (an
+    autocommit ``conn``; the caller ends the transaction): the walk's rows."""
+    q = queries("public")
+    conn.execute("BEGIN")
+    conn.execute(q.begin_limited_claim)
+    conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+    return conn.execute(q.lock_limit_groups, limited_walk_params(tasks)).fetchall()
+
+
+def limited_claim_params(
+    worker: uuid.UUID, tasks: list[str], locks: list[Any], limit: int
+) -> dict[str, Any]:
+    """claim_limited_jobs' parameters for the groups and queues a walk (its rows: ``locks``)
+    locked, as Fetcher.claim_limited builds them."""
+    groups = [(str(n), str(k)) for kind, n, k, _, locked, _ in locks if kind == "g" and locked]
+    return {
+        "worker_id": worker, "token": uuid.uuid4(), "limit": limit, "queues": None,
+        "tasks": tasks, "g_tasks": [t for t, _ in groups], "g_keys": [k for _, k in groups],
+        "g_names": [group_name(t, k) for t, k in groups],
+        "lq": [str(n) for kind, n, _, _, locked, _ in locks if kind == "q" and locked],
+        "blocked": [],
+    }  # fmt: skip
 
 
 def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:

@@ -944,8 +944,9 @@ FROM queues q
 -- rows were claimed: a later claim's window then always covers them (the fault suite found the
 -- rate exceeded when both were now()). The worker's lease is checked at this statement's start
 -- too: checked at now(), a claimer whose lease ran out while it stalled after the walk still
--- claimed, and a reaper that had seen the lapse could take those jobs back as they started (a
--- loaded chaos run's blackhole). Due rows are still those due at the transaction's start.
+-- claimed, and a reaper that had seen the lapse could take those jobs back as they started
+-- (found reading this after a chaos blackhole failure). Due rows are still those due at the
+-- transaction's start.
 -- Slots are counted in `held`: one pass over the running jobs that have a limit group or are in
 -- a locked queue (bounded by the fleet's concurrency), counted per group and per queue at once
 -- (GROUPING SETS; rows of neither kind get the key '', which no group has) into a jsonb object

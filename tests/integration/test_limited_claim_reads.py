@@ -5,8 +5,9 @@ until vacuum (autovacuum looks at a database about once a minute). The limited c
 running jobs of its groups through those indexes in each of its two statements; a count planned
 as a bitmap scan visits every dead version's row, every claim, and a drain of a large limited
 backlog slowed as it went (a queue limited to 100: 6,500 jobs/s over 300,000 jobs, against
-17,000). The claim's transaction turns bitmap scans off (limit_claim_settings): a plain index
-scan marks the dead entries as it passes them and later claims step over them.
+17,000). The claim's transaction turns bitmap and sequential scans off, and JIT with them
+(limit_claim_settings): a plain index scan marks the dead entries as it passes them and later
+claims step over them.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.limits import group_name
 from pgqueue.sql import queries
-from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS
-from tests.helpers import register_worker
+from tests.helpers import (
+    begin_limited_claim,
+    limited_claim_params,
+    limited_walk_params,
+    register_worker,
+)
 
 Conn = psycopg.Connection[Any]
 
@@ -55,22 +59,13 @@ def _limited_claim(c: Conn, worker: uuid.UUID, tasks: list[str]) -> list[dict[st
     """The fetcher's limited claim (Fetcher.claim_limited: the same statements in the same
     transaction), each statement explained; returns both plans."""
     q = queries("public")
-    with c.transaction():
-        c.execute(q.begin_limited_claim)
-        c.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
-        walk = {"schema": "public", "queues": None, "tasks": tasks, "after_task": "",
-                "after_key": "", "scan": 64}  # fmt: skip
-        first = _explained(c, q.lock_limit_groups, walk)
-        locks = c.execute(q.lock_limit_groups, walk).fetchall()
-        groups = [(str(n), str(k)) for kind, n, k, _, locked, _ in locks if kind == "g" and locked]
-        lq = [str(n) for kind, n, _, _, locked, _ in locks if kind == "q" and locked]
-        second = _explained(
-            c,
-            q.claim_limited_jobs,
-            {"worker_id": worker, "token": uuid.uuid4(), "limit": 50, "queues": None,
-             "tasks": tasks, "g_tasks": [t for t, _ in groups], "g_keys": [k for _, k in groups],
-             "g_names": [group_name(t, k) for t, k in groups], "lq": lq, "blocked": []},
-        )  # fmt: skip
+    locks = begin_limited_claim(c, tasks)
+    try:
+        # The walk again, explained in the same transaction (its locks are the session's own).
+        first = _explained(c, q.lock_limit_groups, limited_walk_params(tasks))
+        second = _explained(c, q.claim_limited_jobs, limited_claim_params(worker, tasks, locks, 50))
+    finally:
+        c.execute("COMMIT")
     return [first, second]
 
 

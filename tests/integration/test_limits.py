@@ -21,9 +21,16 @@ import pytest
 
 import pgqueue
 from pgqueue.errors import ConfigurationError, InvalidJobError
-from pgqueue.limits import Rate, group_name, parse_rate
+from pgqueue.limits import Rate, parse_rate
 from pgqueue.sql import queries
-from tests.helpers import register_worker, running_worker, wait_until_async
+from tests.helpers import (
+    begin_limited_claim,
+    limited_claim_params,
+    register_worker,
+    running_worker,
+    wait_until,
+    wait_until_async,
+)
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FAST = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 0.5, "reaper_interval": 1.0}
@@ -426,26 +433,12 @@ def test_a_claim_that_stalls_inside_its_transaction_still_counts_against_the_rat
     for worker in workers.values():
         register_worker(conn, worker, lease=120)
 
-    def begin(c: Conn) -> list[tuple[str, str]]:
-        c.execute("BEGIN")
-        c.execute(q.begin_limited_claim)
-        locks = c.execute(
-            q.lock_limit_groups,
-            {"schema": "public", "queues": None, "tasks": ["r"], "after_task": "",
-             "after_key": "", "scan": 16},
-        ).fetchall()  # fmt: skip
-        return [(str(n), str(k)) for kind, n, k, _, locked, _ in locks if kind == "g" and locked]
+    def begin(c: Conn) -> list[Any]:
+        return begin_limited_claim(c, ["r"])
 
-    def claim(c: Conn, worker: uuid.UUID, groups: list[tuple[str, str]], want: int) -> int:
-        rows = []
-        if groups:
-            rows = c.execute(
-                q.claim_limited_jobs,
-                {"worker_id": worker, "token": uuid.uuid4(), "limit": want, "queues": None,
-                 "tasks": ["r"], "g_tasks": [t for t, _ in groups],
-                 "g_keys": [k for _, k in groups],
-                 "g_names": [group_name(t, k) for t, k in groups], "lq": [], "blocked": []},
-            ).fetchall()  # fmt: skip
+    def claim(c: Conn, worker: uuid.UUID, locks: list[Any], want: int) -> int:
+        params = limited_claim_params(worker, ["r"], locks, want)
+        rows = c.execute(q.claim_limited_jobs, params).fetchall() if params["g_tasks"] else []
         c.execute("COMMIT")
         return len(rows)
 
@@ -457,9 +450,9 @@ def test_a_claim_that_stalls_inside_its_transaction_still_counts_against_the_rat
     ):
         assert claim(a, workers["A"], begin(a), 1) == 1
         time.sleep(0.1)
-        groups = begin(x)  # X walks and holds the group's lock, then stalls past the window
+        locks = begin(x)  # X walks and holds the group's lock, then stalls past the window
         time.sleep(1.5)
-        assert claim(x, workers["X"], groups, 10) == 3
+        assert claim(x, workers["X"], locks, 10) == 3
         time.sleep(0.05)
         assert claim(b, workers["B"], begin(b), 10) == 0  # X's three started a moment ago
 
@@ -479,23 +472,20 @@ def test_a_claim_that_stalls_inside_its_transaction_claims_nothing_once_its_leas
     worker = uuid.uuid4()
     register_worker(conn, worker, lease=1.0)
     with psycopg.connect(conn.info.dsn, autocommit=True) as c:
-        c.execute("BEGIN")
-        c.execute(q.begin_limited_claim)
-        c.execute(q.limit_claim_settings, {"idle": "30000"})
-        locks = c.execute(
-            q.lock_limit_groups,
-            {"schema": "public", "queues": None, "tasks": ["r"], "after_task": "",
-             "after_key": "", "scan": 16},
-        ).fetchall()  # fmt: skip
-        groups = [(str(n), str(k)) for kind, n, k, _, locked, _ in locks if kind == "g" and locked]
-        assert groups  # the walk found the group, with the lease live
-        time.sleep(1.5)  # the claimer stalls; its lease runs out meanwhile
-        rows = c.execute(
-            q.claim_limited_jobs,
-            {"worker_id": worker, "token": uuid.uuid4(), "limit": 3, "queues": None,
-             "tasks": ["r"], "g_tasks": [t for t, _ in groups], "g_keys": [k for _, k in groups],
-             "g_names": [group_name(t, k) for t, k in groups], "lq": [], "blocked": []},
-        ).fetchall()  # fmt: skip
+        params = limited_claim_params(worker, ["r"], begin_limited_claim(c, ["r"]), 3)
+        assert params["g_tasks"]  # the walk locked the group, the lease live
+        # The claimer stalls; its lease runs out meanwhile (by the database's clock).
+        wait_until(
+            lambda: (
+                conn.execute(
+                    "SELECT lease_expires_at < clock_timestamp() FROM pgqueue_workers WHERE id = %s",
+                    (worker,),
+                ).fetchone()
+                == (True,)
+            ),
+            what="the worker's lease ran out",
+        )
+        rows = c.execute(q.claim_limited_jobs, params).fetchall()
         c.execute("COMMIT")
     assert rows == []
     assert statuses(conn) == {"queued": 3}
