@@ -130,6 +130,23 @@ def run_fleet(app: pgqueue.App, conn: Conn, procs: WorkerProcesses, sampler: Sam
     )
     assert [p.pid for p in first if p.poll() is not None] == []
     assert scalar(conn, "SELECT count(*) FROM pgqueue_workers") == WORKERS
+    # Settled: every worker has beaten since the last one registered, and so counted the whole
+    # fleet right after (its look follows each beat) and closed what its share no longer allows.
+    # Flipped at the 50th registration instead, the phase took in the start's peak while workers
+    # niced on a loaded machine had not yet looked (92 in one CI run; 65 once they had).
+    registered_at = scalar(conn, "SELECT max(started_at) FROM pgqueue_workers")
+    wait_until(
+        lambda: (
+            scalar(
+                conn,
+                "SELECT count(*) FROM pgqueue_workers WHERE last_heartbeat_at > %s",
+                registered_at,
+            )
+            == WORKERS
+        ),
+        timeout=120,
+        what="every worker beat since the fleet was complete",
+    )
 
     # Fair claims: 600 jobs of 0.5 s need at least 3 s of the whole fleet (100 slots), and a
     # worker claims at least every poll (0.5 s), so none can be left out while jobs wait.
