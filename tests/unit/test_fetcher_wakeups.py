@@ -7,6 +7,8 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
+
 from pgqueue.sql import queries
 from pgqueue.worker.connections import Connections
 from pgqueue.worker.fetcher import Fetcher
@@ -85,3 +87,43 @@ def test_a_sweep_in_flight_never_leaves_a_slot_idle() -> None:
     fetcher._reserved = 50  # what a sweep set aside when the claims wanted 100
     assert fetcher.buffer_target(0.0) == 0  # nothing finished lately: no prefetch
     assert fetcher.wanted(0.0) == 4
+
+
+@pytest.mark.parametrize("kind", ["limited", "plain"])
+async def test_a_wake_up_that_arrives_while_its_claim_is_on_the_way_is_not_lost(
+    kind: str,
+) -> None:
+    """While limits apply, a claim that came back short is skipped for DRY_FOR unless something
+    may have changed: a slot this worker freed (the limited claim) or a notification (both).
+    One that arrived while that very claim was on its way (the claim had counted the slot as
+    taken, or missed the job) was overwritten by the claim's own "skip": the round it woke
+    skipped the claim and the worker slept until the poll with a job claimable. A CI run of
+    test_dry_claims stopped a worker for the whole 60 s poll that way."""
+    state = WorkerState(concurrency=2)
+    fetcher, plain = fetcher_with_claims(state)
+    fetcher.limited = True
+    limited: list[int] = []
+
+    async def claim_limited(limit: int) -> list[ClaimedJob]:
+        limited.append(limit)
+        if kind == "limited" and len(limited) == 1:
+            fetcher.slot_freed()  # the slot's job ended while this claim was on its way
+        return []
+
+    async def claim(limit: int) -> list[ClaimedJob]:
+        plain.append(limit)
+        if kind == "plain" and len(plain) == 1:
+            fetcher.notify()  # a job's NOTIFY arrived while this claim was on its way
+        return []
+
+    fetcher.claim_limited = claim_limited  # type: ignore[method-assign]
+    fetcher.claim = claim  # type: ignore[method-assign]
+    stopping = asyncio.Event()
+    task: asyncio.Task[Any] = asyncio.create_task(fetcher.run(stopping))
+    try:
+        again = limited if kind == "limited" else plain
+        await wait_until_async(lambda: len(again) == 2, timeout=5)  # the poll is 600 s away
+    finally:
+        stopping.set()
+        state.wakeup.set()
+        await asyncio.wait_for(task, 5)

@@ -203,6 +203,10 @@ class Fetcher:
         #: may have changed (a notification, a freed slot, the poll).
         self._plain_dry = 0.0
         self._limited_dry = 0.0
+        #: Counts of those changes, so that one arriving while a claim is on its way is not
+        #: overwritten by that claim's own skip (see claim_round).
+        self._plain_changes = 0
+        self._limited_changes = 0
         self._limited_first = False
         self._busy_retry = LIMIT_BUSY_RETRY
         #: The worker's own tasks (the limited claim only takes those: no hand-backs).
@@ -273,12 +277,20 @@ class Fetcher:
             if left <= 0:
                 break
             now = loop.time()
+            # A change (a freed slot, a notification) that arrives while the claim is on its way
+            # may be what it missed (it counted the slot as taken): the claim is not skipped
+            # then. Overwritten by the claim's skip, the round that change woke skipped it and
+            # the worker slept until the poll with a job claimable.
             if limited and now >= self._limited_dry:
+                seen = self._limited_changes
                 got = await self.claim_limited(left)
-                self._limited_dry = now + DRY_FOR if len(got) < left else 0.0
+                short = len(got) < left and seen == self._limited_changes
+                self._limited_dry = now + DRY_FOR if short else 0.0
             elif not limited and now >= self._plain_dry:
+                seen = self._plain_changes
                 got = await self.claim(left)
-                self._plain_dry = now + DRY_FOR if len(got) < left else 0.0
+                short = len(got) < left and seen == self._plain_changes
+                self._plain_dry = now + DRY_FOR if short else 0.0
             else:
                 continue
             jobs += got
@@ -287,10 +299,13 @@ class Fetcher:
     def _refresh(self) -> None:
         """Something may have changed for both claims: try each again."""
         self._plain_dry = self._limited_dry = 0.0
+        self._plain_changes += 1
+        self._limited_changes += 1
 
     def slot_freed(self) -> None:
         """A limited job of this worker ended: its group may take another job."""
         self._limited_dry = 0.0
+        self._limited_changes += 1
         self._notified = True
         self.state.wakeup.set()
 
@@ -633,6 +648,7 @@ class Fetcher:
             # short claim, when the loop is about to wait, and the NOTIFY of their enqueue woke
             # that very claim: without this they waited for the poll.
             self._limited_dry = 0.0
+            self._limited_changes += 1
             self._notified = True
         self.limited = limited
         return None if row[0] is None else max(float(row[0]), 0.0)
