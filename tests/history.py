@@ -157,7 +157,8 @@ CREATE TABLE IF NOT EXISTS history_leases (
     worker_id   uuid,
     claimed_at  timestamptz,
     stmt_at     timestamptz NOT NULL DEFAULT statement_timestamp(),
-    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+    at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    xact        bigint NOT NULL DEFAULT txid_current()
 );
 CREATE OR REPLACE FUNCTION history_log_lease() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -359,6 +360,19 @@ def duplicate_executions(conn: Conn) -> int:
     """Handler starts beyond the first, over all jobs."""
     row = conn.execute(
         "SELECT count(*) - count(DISTINCT job_id) FROM history_runs WHERE event = 'start'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def hand_offs(conn: Conn, queue: str) -> int:
+    """Lease starts in ``queue`` made in the transaction that ended another of its leases: the
+    slots that acks handed straight to the queue's next jobs (hand_off_queue_slots)."""
+    row = conn.execute(
+        "SELECT count(*) FROM history_leases s WHERE s.event = 'start' AND s.queue = %s"
+        " AND EXISTS (SELECT FROM history_leases e WHERE e.event = 'end' AND e.queue = s.queue"
+        "             AND e.xact = s.xact AND e.job_id <> s.job_id)",
+        (queue,),
     ).fetchone()
     assert row is not None
     return int(row[0])

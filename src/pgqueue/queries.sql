@@ -1189,6 +1189,59 @@ RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
 )
 SELECT id, waited FROM done
 
+-- name: hand_off_queue_slots
+-- Pipelined after complete_jobs, in the acks' transaction, when the batch finished jobs of a
+-- queue with a concurrency limit: the slots those acks freed go straight to that queue's next
+-- waiting jobs, claimed for the same worker, so a queue limited to the worker's concurrency
+-- does not wait for a limited claim's round trips after every batch of acks
+-- (concepts/limits.md, "Slot hand-off"). The freed slots are the batch's rows this
+-- transaction took out of 'running' (its own token on a row no longer running: only an ack of
+-- that claim does that), counted per queue, jobs without a limit group only. A queue gets at
+-- most that many jobs, never more than its limit leaves free by this statement's count (which
+-- sees the acks), and none while it is paused or has a rate (the limited claim keeps the rate's
+-- log). Taking no more than the transaction freed, it never raises a queue's count, so no
+-- group lock is needed: a limited claim counting at the same time sees the acks and the new
+-- claims together or neither. The worker's lease is checked at this statement's start, as in
+-- claim_limited_jobs; jobs of tasks the worker does not run are left alone. Same rows and
+-- columns as claim_limited_jobs (limit_key always NULL).
+WITH freed AS (
+    SELECT j.queue, count(*) AS n
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS a(id, token)
+    JOIN {schema}.pgqueue_jobs j ON j.id = a.id AND j.lease_token = a.token
+    WHERE j.status::text <> 'running' AND j.limit_key IS NULL
+    GROUP BY j.queue
+),
+room AS (
+    SELECT f.queue, least(f.n, q.concurrency_limit - (
+               SELECT count(*) FROM {schema}.pgqueue_jobs r
+               WHERE r.status = 'running' AND r.queue = f.queue)) AS n
+    FROM freed f JOIN {schema}.pgqueue_queues q ON q.name = f.queue
+    WHERE q.concurrency_limit IS NOT NULL AND q.rate_limit IS NULL AND NOT q.paused
+      AND EXISTS (SELECT FROM {schema}.pgqueue_workers w WHERE w.id = %(worker_id)s
+                  AND w.lease_expires_at > statement_timestamp())
+),
+claimed AS (
+    UPDATE {schema}.pgqueue_jobs j
+    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
+        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = statement_timestamp(),
+        started_at = NULL
+    WHERE j.id = ANY(ARRAY(
+        SELECT c.id FROM room r CROSS JOIN LATERAL (
+            SELECT w.id FROM {schema}.pgqueue_jobs w
+            WHERE w.status IN ('queued', 'retrying') AND w.queue = r.queue AND w.run_at <= now()
+              AND w.limit_key IS NULL AND w.task = ANY(%(tasks)s::text[])
+            ORDER BY w.priority DESC, w.run_at, w.id
+            LIMIT greatest(r.n, 0)
+            FOR UPDATE SKIP LOCKED
+        ) c
+    ))
+    RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
+              extract(epoch FROM statement_timestamp() - j.run_at)::float8 w,
+              j.priority, j.run_at, j.meta
+)
+SELECT id, queue, task, args::text, attempts, max_attempts, w, limit_key, meta::text
+FROM claimed ORDER BY priority DESC, run_at, id
+
 -- name: notify_finished
 -- Jobs that reached a final state (succeeded, dead, cancelled), announced to whoever waits for
 -- results (App.wait) on the done channel: ids, comma-separated. Only while someone waits (a

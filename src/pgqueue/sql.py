@@ -197,6 +197,7 @@ class Queries:
     next_ready_at_in_queues: bytes
     complete_jobs: bytes
     complete_jobs_skip_locked: bytes
+    hand_off_queue_slots: bytes
     notify_finished: bytes
     announce_result_wait: bytes
     applied_completions: bytes

@@ -75,6 +75,16 @@ async def effect(
     return await _work(ctx, conn, seconds)
 
 
+@app.task(max_attempts=8)
+async def acked(ctx: pgqueue.JobContext, seconds: float = 0.0) -> str:
+    """The handoff scenario's job: no transactional completion, so the worker's completer acks
+    it (and may hand its slot off in that transaction); its result is its lease token, which
+    shows a stale ack that got in."""
+    await history.record(app.dsn, ctx, "start")
+    await asyncio.sleep(seconds)
+    return str(ctx.lease_token)
+
+
 @dataclass(frozen=True)
 class Limits:
     """A group's limit (jobs holding a lease at once) and rate (starts, period in seconds);
@@ -100,6 +110,11 @@ CAPPED = Limits(limit=4, rate=(3, 0.2))
 #: The operator's changes of ``limited``'s limit during the feed: (fraction of the feed, limit).
 #: The second one lowers it below what is running then.
 LIMIT_CHANGES = [(0.4, 4), (0.7, 2)]
+#: The handoff scenario: ``CAPPED_QUEUE`` with a limit alone and no other limited work, so the
+#: acks of its jobs hand their slots to its next ones (hand_off_queue_slots); the operator
+#: lowers the limit below what runs, then raises it again: (fraction of the feed, limit).
+HANDOFF_CAPPED = Limits(limit=4)
+HANDOFF_CHANGES = [(0.4, 2), (0.7, 4)]
 #: Jobs that write an effect (chaos_effects) and return their lease token.
 EFFECT_TASKS = ["effect", *LIMITED]
 

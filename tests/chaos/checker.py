@@ -56,6 +56,8 @@ class LimitPlan:
     changes: list[LimitChange] = field(default_factory=list)
     #: Tasks whose handlers write an effect and return their lease token (``effect``'s way).
     effect_tasks: list[str] = field(default_factory=lambda: ["effect"])
+    #: Tasks that return their lease token with no effect: the completer acks them.
+    acked_tasks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -416,7 +418,7 @@ def check(
                 WHERE j.task = ANY(%s) AND j.status = 'succeeded'
                   AND (j.result #>> '{}') IS DISTINCT FROM l.token::text)
         """,
-        (effect_tasks,),
+        ([*effect_tasks, *limits.acked_tasks],),
     )
     zombie_attempts = _one(
         conn,

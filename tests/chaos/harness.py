@@ -30,7 +30,7 @@ from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.migrate import migrate
 from tests import history
 from tests.chaos import app as chaos_app
-from tests.chaos.checker import Fault, LimitChange, LimitPlan, Result, check
+from tests.chaos.checker import Fault, Group, LimitChange, LimitPlan, Result, check
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,11 @@ LIMITED_FEED: list[tuple[str, float, tuple[float, float], dict[str, Any]]] = [
     ("rated", 4.5, (0.05, 0.2), {}),  # 5 a second
     ("pushed", 5.4, (0.1, 0.5), {"account": 2}),  # limit 2 and 3 a second per account
     ("effect", 8.0, (0.05, 0.25), {}),  # into the capped queue (limit 4, 3 per 0.2 s)
+]
+#: The handoff scenario's limited jobs: the capped queue's alone, at about 75 % of what its
+#: limit of 4 lets through (0.15 s handlers), so its slots are handed off most of the time.
+HANDOFF_FEED: list[tuple[str, float, tuple[float, float], dict[str, Any]]] = [
+    ("acked", 20.0, (0.05, 0.25), {}),
 ]
 #: The share of ``keyed`` jobs that go to the capped queue, under its limits as well.
 KEYED_IN_CAPPED = 1 / 3
@@ -122,7 +127,10 @@ class Run:
         chaos_app.declare_limited(self.app)
         chaos_app.declare_workflow(self.app)
         # As an operator would, before any worker starts.
-        capped = chaos_app.CAPPED
+        #: The handoff scenario: the capped queue with a limit alone and the only limited work.
+        self.handoff = scenario == "handoff"
+        self.capped = chaos_app.HANDOFF_CAPPED if self.handoff else chaos_app.CAPPED
+        capped = self.capped
         self.app.limit_queue(chaos_app.CAPPED_QUEUE, limit=capped.limit, rate=capped.rate)
         #: The operator's changes of limits during the feed, for the checker.
         self.limit_changes: list[LimitChange] = []
@@ -227,14 +235,17 @@ class Run:
         per_batch = max(1, round(self.config.rate * period))
         total = round(self.config.rate * self.config.duration)
         mean = self.config.job_seconds
-        changes = list(chaos_app.LIMIT_CHANGES)
+        changes = list(chaos_app.HANDOFF_CHANGES if self.handoff else chaos_app.LIMIT_CHANGES)
 
         def loop() -> None:
             sent = 0
             next_at = time.monotonic()
             while sent < total and not self._feeding.is_set():
                 while changes and sent >= changes[0][0] * total:
-                    self.change_task_limit("limited", changes.pop(0)[1])
+                    if self.handoff:
+                        self.change_limit(("queue", chaos_app.CAPPED_QUEUE, ""), changes.pop(0)[1])
+                    else:
+                        self.change_limit(("task", "limited", ""), changes.pop(0)[1])
                 n = min(per_batch, total - sent)
                 batch: list[Any] = [("effect", {"seconds": round(rng.uniform(0, 2 * mean), 4)})] * n
                 if (sent // per_batch) % 3 == 2:
@@ -246,7 +257,7 @@ class Run:
                          "args": {"seconds": round(rng.uniform(0.2, 0.6), 4), "key": key}}
                         for key in keys
                     ]  # fmt: skip
-                limited = limited_batch(rng, period)
+                limited = limited_batch(rng, period, HANDOFF_FEED if self.handoff else LIMITED_FEED)
                 try:
                     written = self.app.enqueue_many(batch + limited, allow_unknown=True)
                 except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
@@ -260,24 +271,28 @@ class Run:
         self._feeder = threading.Thread(target=loop, name="chaos-feeder", daemon=True)
         self._feeder.start()
 
-    def change_task_limit(self, task: str, limit: int) -> None:
-        """An operator's `pgqueue tasks limit TASK N`, retried until it goes through (the server
-        may be restarting: the change may then have committed or not, and is made again). The
-        checker gets when: between the database clock before the first try and after the last,
-        which is where its commit is."""
+    def change_limit(self, group: Group, limit: int) -> None:
+        """An operator's `pgqueue tasks limit TASK N` or `pgqueue queues limit NAME N`, retried
+        until it goes through (the server may be restarting: the change may then have committed
+        or not, and is made again). The checker gets when: between the database clock before
+        the first try and after the last, which is where its commit is."""
+        kind, name, _ = group
         before: datetime | None = None
         while before is None:
             before = self._clock()
         while True:
             try:
-                self.app.limit_task(task, limit=limit)
+                if kind == "queue":
+                    self.app.limit_queue(name, limit=limit)
+                else:
+                    self.app.limit_task(name, limit=limit)
                 break
             except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
                 time.sleep(0.2)
         after: datetime | None = None
         while after is None:
             after = self._clock()
-        self.limit_changes.append(LimitChange(("task", task, ""), limit, before, after))
+        self.limit_changes.append(LimitChange(group, limit, before, after))
 
     def _clock(self) -> datetime | None:
         """The database clock, on a connection of its own (None while the server is down)."""
@@ -362,9 +377,10 @@ class Run:
             cancelled_on_purpose=self.cancelled_on_purpose,
             limits=LimitPlan(
                 tasks=chaos_app.LIMITED,
-                queues={chaos_app.CAPPED_QUEUE: chaos_app.CAPPED},
+                queues={chaos_app.CAPPED_QUEUE: self.capped},
                 changes=self.limit_changes,
                 effect_tasks=chaos_app.EFFECT_TASKS,
+                acked_tasks=["acked"],
             ),
         )
         if self.restarts:
@@ -377,17 +393,22 @@ class Run:
         self.db.close()
 
 
-def limited_batch(rng: random.Random, period: float) -> list[Any]:
-    """The limited jobs of one batch: for each line of LIMITED_FEED, a Poisson number of jobs
-    with the mean its rate gives over ``period``."""
+def limited_batch(
+    rng: random.Random,
+    period: float,
+    feed: list[tuple[str, float, tuple[float, float], dict[str, Any]]],
+) -> list[Any]:
+    """The limited jobs of one batch: for each line of ``feed`` (LIMITED_FEED, or
+    HANDOFF_FEED), a Poisson number of jobs with the mean its rate gives over ``period``."""
     jobs: list[Any] = []
-    for task, per_second, (low, high), keys in LIMITED_FEED:
+    for task, per_second, (low, high), keys in feed:
         for _ in range(_poisson(rng, per_second * period)):
             args: dict[str, Any] = {"seconds": round(rng.uniform(low, high), 4)}
             for name, count in keys.items():
                 args[name] = f"{name[0]}{rng.randrange(count)}"
             job: dict[str, Any] = {"task": task, "args": args}
-            if task == "effect" or (task == "keyed" and rng.random() < KEYED_IN_CAPPED):
+            capped = task in ("effect", "acked")
+            if capped or (task == "keyed" and rng.random() < KEYED_IN_CAPPED):
                 job["queue"] = chaos_app.CAPPED_QUEUE
             jobs.append(job)
     return jobs

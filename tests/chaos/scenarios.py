@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +21,7 @@ from psycopg import conninfo
 from pgqueue import workflows
 from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.errors import InvalidJobError
+from tests import history
 from tests.chaos import app as chaos_app
 from tests.chaos.checker import Result
 from tests.chaos.harness import Config, Run, wait_for
@@ -53,13 +54,18 @@ def _steady(
     run.drain()
 
 
-def _victim(run: Run) -> Any:
-    """A worker holding jobs right now (waiting a little for one), else any live worker."""
+def _victim(run: Run, spare: Collection[Any] = ()) -> Any:
+    """A worker holding jobs right now (waiting a little for one), else any live worker; none
+    of ``spare`` if another will do."""
+
+    def holding() -> list[Any]:
+        return [w for w in run.holding() if w not in spare]
+
     try:
-        holding = wait_for(run.holding, 2, "a worker holding jobs")
+        candidates = wait_for(holding, 2, "a worker holding jobs")
     except TimeoutError:
-        holding = run.alive()
-    return run.rng.choice(holding)
+        candidates = [w for w in run.alive() if w not in spare] or run.alive()
+    return run.rng.choice(candidates)
 
 
 # --- 1. none ------------------------------------------------------------------------------
@@ -603,6 +609,42 @@ def control_checks(run: Run, result: Result) -> Checks:
     }
 
 
+# --- 13. slot hand-offs under SIGKILL and SIGSTOP ------------------------------------------
+
+
+def handoff(run: Run) -> None:
+    """The capped queue has a limit alone and is the only limited work (see harness.handoff),
+    so the acks of its jobs claim its next ones in their own transaction. Workers are killed
+    with hand-offs in flight, or stopped past their lease so that their acks come back stale
+    (which must free nothing and hand nothing off); the operator lowers the limit below what
+    runs, then raises it. A stopped worker is never killed later: the zombie count leaves
+    killed workers out, and their earlier stale writes would then go unmatched."""
+    stopped: list[Any] = []
+
+    def step() -> None:
+        if run.rng.random() < 0.5:
+            run.kill(_victim(run, spare=stopped))
+            run.start_worker()
+            return
+        victim = _victim(run)
+        stopped.append(victim)
+        run.fault("SIGSTOP", victim)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        time.sleep(run.rng.uniform(1.5, 2.5) * run.config.lease)
+        os.kill(victim.proc.pid, signal.SIGCONT)
+
+    _steady(run, step)
+
+
+def handoff_checks(run: Run, result: Result) -> Checks:
+    handed = history.hand_offs(run.db, chaos_app.CAPPED_QUEUE)
+    result.notes.append(f"{handed} jobs of the capped queue started by slot hand-offs")
+    return {
+        **zombie_checks(run, result),
+        "slots were handed off": handed > 0,
+    }
+
+
 SCENARIOS = {
     s.name: s
     for s in [
@@ -639,6 +681,12 @@ SCENARIOS = {
             "cancels racing acks and reaps, chains and a big group, under SIGKILL",
             control,
             control_checks,
+        ),
+        Scenario(
+            "handoff",
+            "a limited queue's acks hand its slots off, under SIGKILL and SIGSTOP",
+            handoff,
+            handoff_checks,
         ),
         Scenario(
             "bad_input",

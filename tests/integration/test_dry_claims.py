@@ -230,12 +230,14 @@ async def test_a_notification_that_finds_nothing_after_the_bound_owes_a_sweep(
 async def test_a_worker_busy_with_a_limited_queue_stops_rereading_its_backlog(
     app: pgqueue.App, conn: Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Default thresholds: a queue limited to 2 with 15,000 jobs waiting keeps the worker busy,
+    """Default thresholds: a task limited to 2 with 15,000 jobs waiting keeps the worker busy,
     and every plain claim read that backlog (a few ms each, every DRY_FOR). The plain claims
     start after it, and stay there past the sweeps that read it again (with the horizon's
     20 ms threshold a walk of a few ms ended the mode at the first sweep); another queue's
     jobs still run at once. Sweeps every second whatever their walk takes: on a loaded machine
-    a walk of 0.5 s would otherwise space them 10 s apart."""
+    a walk of 0.5 s would otherwise space them 10 s apart. (A task's limit, not a queue's: the
+    acks of a limited queue's jobs hand their slots to its next jobs themselves, and the
+    fetcher then has no claims to make.)"""
     monkeypatch.setattr(fetcher, "BOUND_RESET_RATIO", 1.0)
     ran: list[str] = []
 
@@ -244,10 +246,14 @@ async def test_a_worker_busy_with_a_limited_queue_stops_rereading_its_backlog(
         ran.append(queue)
         await asyncio.sleep(0.005)
 
-    app.limit_queue("lim", limit=2)
+    @app.task(limit=2)
+    async def capped(queue: str) -> None:
+        ran.append(queue)
+        await asyncio.sleep(0.005)
+
     conn.execute(
-        "INSERT INTO pgqueue_jobs (queue, task, args) SELECT 'lim', 'work', "
-        '\'{"queue": "lim"}\' FROM generate_series(1, 15000)'
+        "INSERT INTO pgqueue_jobs (queue, task, args, limit_key) SELECT 'lim', 'capped', "
+        "'{\"queue\": \"lim\"}', '' FROM generate_series(1, 15000)"
     )
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
     async with running_worker(app, concurrency=4, **IDLE) as worker:

@@ -550,3 +550,77 @@ async def test_a_job_enqueued_while_a_worker_declares_its_limit_still_gets_its_g
                 )
     finally:
         producer.close()
+
+
+def most_running_at_claims(conn: Conn, queue: str, since: Any) -> int:
+    """The most jobs of ``queue`` running at the moment one of them was claimed after ``since``,
+    by the database's own times (a job runs from claimed_at until finished_at; an ack and the
+    claims that its hand-off makes in the same transaction are two statements, so the acked
+    job's finished_at comes first)."""
+    row = conn.execute(
+        "SELECT coalesce(max((SELECT count(*) FROM pgqueue_jobs k WHERE k.queue = j.queue"
+        "  AND k.claimed_at <= j.claimed_at"
+        "  AND (k.finished_at IS NULL OR k.finished_at > j.claimed_at))), 0)"
+        " FROM pgqueue_jobs j WHERE j.queue = %s AND j.claimed_at > %s",
+        (queue, since),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_the_acks_of_a_limited_queue_hand_its_slots_to_its_next_jobs(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """A queue limited to the worker's concurrency: the acks' own transaction claims the next
+    jobs for the slots it frees (hand_off_queue_slots), so the worker drains it without a
+    limited claim per batch, and never above the limit."""
+    tracker = Tracker()
+
+    @app.task(queue="api")
+    async def call(n: int) -> None:
+        await tracker.hold("api", n, 0.002)
+
+    app.limit_queue("api", limit=4)
+    start = conn.execute("SELECT now()").fetchone()
+    app.enqueue_many([("call", {"n": n}) for n in range(300)])
+    async with running_worker(app, concurrency=4, **NO_POLL) as worker:
+        await wait_until_async(lambda: len(tracker.done) == 300, timeout=60)
+        handed = worker.completer.handed_off
+        claims = worker.fetcher.claims
+    assert statuses(conn) == {"succeeded": 300}
+    assert tracker.peak["api"] <= 4
+    assert start is not None and most_running_at_claims(conn, "api", start[0]) <= 4
+    assert handed > 150, (handed, claims)  # most jobs came from hand-offs
+
+
+async def test_slot_hand_offs_obey_a_lowered_limit_and_a_pause(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The operator lowers a limited queue's limit while its acks hand slots off: no job is
+    claimed above the new limit (the hand-off counts the queue's running jobs, not only what it
+    freed); then pauses it: no job is claimed at all; running ones finish."""
+    tracker = Tracker()
+
+    @app.task(queue="api")
+    async def call(n: int) -> None:
+        await tracker.hold("api", n, 0.02)
+
+    app.limit_queue("api", limit=4)
+    app.enqueue_many([("call", {"n": n}) for n in range(2000)])
+    async with running_worker(app, concurrency=4, **NO_POLL) as worker:
+        await wait_until_async(lambda: worker.completer.handed_off > 20, timeout=30)
+        lowered = conn.execute("SELECT clock_timestamp()").fetchone()
+        app.limit_queue("api", limit=1)
+        done = len(tracker.done)
+        await wait_until_async(lambda: len(tracker.done) > done + 20, timeout=30)
+        paused = conn.execute("SELECT clock_timestamp()").fetchone()
+        app.pause_queue("api")
+        await wait_until_async(lambda: tracker.running["api"] == 0, timeout=30)
+        await asyncio.sleep(0.3)  # long enough for any claim after the pause to have run
+        assert tracker.running["api"] == 0
+    assert lowered is not None and paused is not None
+    assert most_running_at_claims(conn, "api", lowered[0]) <= 1
+    late = conn.execute(
+        "SELECT count(*) FROM pgqueue_jobs WHERE claimed_at > %s", (paused[0],)
+    ).fetchone()
+    assert late == (0,)

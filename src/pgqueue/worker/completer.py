@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
 
 import psycopg
 from psycopg import errors as pgerrors
@@ -41,6 +43,10 @@ from .outage import Outage
 from .state import round_failed
 
 log = logging.getLogger("pgqueue.worker.completer")
+
+#: The hand-off runs with the limited claim's settings (limit_claim_settings): its idle timeout
+#: never fires in a pipelined transaction; the scans' settings are what it needs.
+IDLE_MS = "5000"
 
 #: First pause before an ack whose row was locked is tried again; it doubles up to the maximum.
 BUSY_RETRY = 0.2
@@ -121,6 +127,15 @@ class Completer:
         self.own_pid: Callable[[int], None] = lambda pid: None
         #: The queues the last write woke with its acks (the runtime wakes the others).
         self.woke: frozenset[str] = frozenset()
+        #: Given a batch, hand_off_queue_slots' parameters when its acks free slots of a limited
+        #: queue that may go straight to that queue's next jobs (None: no hand-off).
+        self.hand_off: Callable[[list[Outcome]], dict[str, Any] | None] = lambda batch: None
+        #: Told the jobs a write's hand-off claimed (its rows, their lease token), before its
+        #: acks are reported.
+        self.on_handed_off: Callable[[list[Any], UUID], None] = lambda rows, token: None
+        #: The freed slots the last write handed off, per queue; and jobs handed off in all.
+        self.handed: Counter[str] = Counter()
+        self.handed_off = 0
 
     def submit(self, outcome: Outcome) -> None:
         self.pending.append(outcome)
@@ -287,19 +302,35 @@ class Completer:
     ) -> tuple[set[int], set[int]]:
         arrays.register(conn)  # idempotent, and a few microseconds a write
         self.woke = frozenset()
+        self.handed = Counter()
         wake = [] if skip_locked else self.wakes(batch)
+        # Not when the write may repeat one that committed unseen: its freed slots were then
+        # counted by that write (see hand_off_queue_slots).
+        hand = None if skip_locked or uncertain else self.hand_off(batch)
         if skip_locked:
             cur = await conn.execute(self.q.complete_jobs_skip_locked, params)
         else:
             try:
-                if wake:
-                    # One implicit transaction until the pipeline's sync: the NOTIFY goes out
-                    # as the acks commit, never without them.
-                    self.own_pid(conn.info.backend_pid)
+                if wake or hand:
+                    # One implicit transaction until the pipeline's sync: the NOTIFY and the
+                    # hand-off's claims commit with the acks, never without them.
+                    handing: psycopg.AsyncCursor[Any] | None = None
+                    if wake:
+                        self.own_pid(conn.info.backend_pid)
                     async with conn.pipeline():
                         cur = await conn.execute(self.q.complete_jobs, params)
-                        await conn.execute(self.q.wake_waiting_workers, {"queues": wake})
+                        if hand is not None:
+                            await conn.execute(self.q.limit_claim_settings, {"idle": IDLE_MS})
+                            handing = await conn.execute(self.q.hand_off_queue_slots, hand)
+                        if wake:
+                            await conn.execute(self.q.wake_waiting_workers, {"queues": wake})
                     self.woke = frozenset(wake)
+                    if handing is not None and hand is not None:
+                        rows = await handing.fetchall()
+                        if rows:
+                            self.handed = Counter(str(row[1]) for row in rows)
+                            self.handed_off += len(rows)
+                            self.on_handed_off(rows, hand["token"])
                 else:
                     cur = await conn.execute(self.q.complete_jobs, params)
             except pgerrors.LockNotAvailable:

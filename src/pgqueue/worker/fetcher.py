@@ -195,6 +195,9 @@ class Fetcher:
         self.on_waiting: Callable[[bool], None] = lambda waiting: None
         #: Jobs under limits may wait for this worker (next_ready_at): run the limited claim.
         self.limited = False
+        #: The limited queue whose acks hand their slots to its next jobs
+        #: (hand_off_queue_slots): the only limited work the last limited claim found.
+        self.limited_queues: set[str] = set()
         #: The limited claim's round-robin position: the last group it walked to.
         self._cursor: tuple[str, str] = ("", "")
         #: Groups the next limited claim walks per job it wants (see LIMIT_SCAN_FACTOR).
@@ -302,6 +305,22 @@ class Fetcher:
         self._plain_changes += 1
         self._limited_changes += 1
 
+    def hand_off_params(self, ids: list[int], tokens: list[UUID]) -> dict[str, Any]:
+        """hand_off_queue_slots' parameters for these acks (see completer.hand_off)."""
+        return {
+            "ids": ids,
+            "tokens": tokens,
+            "worker_id": self.worker_id,
+            "token": uuid4(),
+            "tasks": self.only_tasks or self._task_names,
+        }
+
+    def handed_off(self, rows: list[Any], token: UUID) -> None:
+        """Start the jobs an ack's hand-off claimed (rows as claim_limited_jobs')."""
+        self.claims += 1
+        for job in self._jobs(rows, token, limited=True):
+            self.start(job)
+
     def slot_freed(self) -> None:
         """A limited job of this worker ended: its group may take another job."""
         self._limited_dry = 0.0
@@ -346,6 +365,12 @@ class Fetcher:
                 busy = False
                 wait: float | None = None
                 last: tuple[str, str] | None = None
+                # Hand-offs only while one limited queue is all the limited work this worker
+                # may take: they refill that queue, and a walk over other groups or queues
+                # gives each its turn (fair claiming), which hand-offs would bypass.
+                queue_rows = [name for kind, name, *_ in locks if kind == "q"]
+                alone = len(queue_rows) == 1 and not any(row[0] == "g" for row in locks)
+                self.limited_queues = set(queue_rows) if alone else set()
                 for kind, name, key, n, locked, rate_wait in locks:
                     if kind in ("q", "p"):
                         if locked:

@@ -338,6 +338,24 @@ class Worker:
             return sorted(queues)
 
         self.completer.wakes = wakes
+
+        def hand_off(batch: list[Outcome]) -> dict[str, Any] | None:
+            # Acks of limited jobs of a limited queue, while this worker goes on claiming.
+            limited = self.fetcher.limited_queues
+            if not limited or state.stopping.is_set():
+                return None
+            ids: list[int] = []
+            tokens: list[uuid.UUID] = []
+            for outcome in batch:
+                if outcome.queue in limited:
+                    held = state.held.get(key_of(outcome.job_id, outcome.lease_token))
+                    if held is not None and held.job.limited:
+                        ids.append(outcome.job_id)
+                        tokens.append(outcome.lease_token)
+            return self.fetcher.hand_off_params(ids, tokens) if ids else None
+
+        self.completer.hand_off = hand_off
+        self.completer.on_handed_off = lambda rows, token: self.fetcher.handed_off(rows, token)
         self.fetcher = Fetcher(
             pool.lane("claims"),
             q,
@@ -917,6 +935,15 @@ class Worker:
                 counters.dead += 1
         # Written results free lease budget: the fetcher may claim again.
         self.state.wakeup.set()
+        handed = self.completer.handed.copy()
+        if handed:  # slots the acks' own transaction gave the queue's next jobs
+            left = []
+            for queue in freed:
+                if handed[queue] > 0:
+                    handed[queue] -= 1
+                else:
+                    left.append(queue)
+            freed = left
         if freed:
             self.fetcher.slot_freed()
         woke = self.completer.woke
