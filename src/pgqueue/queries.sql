@@ -1202,8 +1202,11 @@ SELECT id, waited FROM done
 -- log). Taking no more than the transaction freed, it never raises a queue's count, so no
 -- group lock is needed: a limited claim counting at the same time sees the acks and the new
 -- claims together or neither. The worker's lease is checked at this statement's start, as in
--- claim_limited_jobs; jobs of tasks the worker does not run are left alone. Same rows and
--- columns as claim_limited_jobs (limit_key always NULL).
+-- claim_limited_jobs. The next jobs are taken in claim order, and a slot whose next job is of
+-- a task this worker does not run (a rolling deploy) is not handed off: it goes to the
+-- workers the acks' wake tells, which run that task; skipping over such jobs, one worker could
+-- keep every slot of the queue while they wait. Same rows and columns as claim_limited_jobs
+-- (limit_key always NULL).
 WITH freed AS (
     SELECT j.queue, count(*) AS n
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS a(id, token)
@@ -1227,13 +1230,14 @@ claimed AS (
         started_at = NULL
     WHERE j.id = ANY(ARRAY(
         SELECT c.id FROM room r CROSS JOIN LATERAL (
-            SELECT w.id FROM {schema}.pgqueue_jobs w
+            SELECT w.id, w.task FROM {schema}.pgqueue_jobs w
             WHERE w.status IN ('queued', 'retrying') AND w.queue = r.queue AND w.run_at <= now()
-              AND w.limit_key IS NULL AND w.task = ANY(%(tasks)s::text[])
+              AND w.limit_key IS NULL
             ORDER BY w.priority DESC, w.run_at, w.id
             LIMIT greatest(r.n, 0)
             FOR UPDATE SKIP LOCKED
         ) c
+        WHERE c.task = ANY(%(tasks)s::text[])
     ))
     RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM statement_timestamp() - j.run_at)::float8 w,
