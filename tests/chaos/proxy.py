@@ -14,9 +14,9 @@ import threading
 
 
 class BlackholeProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, port: int = 0) -> None:
         self.target = (target_host, target_port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server(("127.0.0.1", port))
         self.port: int = self.listener.getsockname()[1]
         self._flowing = threading.Event()
         self._flowing.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -361,3 +362,60 @@ async def test_isolating_a_refused_outcome_reports_every_other_ack_exactly_once(
     states = statuses(conn, ids)
     assert states[refused][0] == "retrying"
     assert {states[j][0] for j in ids if j != refused} == {"succeeded"}
+
+
+async def test_a_handler_waiting_for_its_connection_gets_one_once_the_server_is_back(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transactional completion: the server is down (nothing listens) when a handler asks for
+    its connection, for longer than psycopg_pool keeps trying (RECONNECT_TIMEOUT). The pool
+    gave that attempt up and started no other for a request already waiting: the handler
+    waited until WAIT (a day) after the server came back. A PostgreSQL restart in the fault
+    suite left every slot of a worker waiting so, while its heartbeats kept the leases alive."""
+    from psycopg import conninfo
+
+    from pgqueue.jobs import Status
+    from pgqueue.sql import queries
+    from pgqueue.worker import transactions
+    from pgqueue.worker.executor import Outcome
+    from tests.chaos.proxy import BlackholeProxy
+
+    monkeypatch.setattr(transactions, "RECONNECT_TIMEOUT", 0.2)
+    monkeypatch.setattr(transactions, "ACQUIRE_STEP", 0.5)
+    with socket.socket() as probe:  # a port nothing listens on, until the proxy does
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    info = conninfo.conninfo_to_dict(dsn)
+    down = conninfo.make_conninfo(dsn, host="127.0.0.1", port=port)
+    tx = Transactions(down, queries("public"), size=2, connect_kwargs={"connect_timeout": 5})
+    # An ack for a job that does not exist: the handler's transaction runs, acks nothing and
+    # rolls back.
+    outcome = Outcome(10**12, uuid.uuid4(), Status.SUCCEEDED, None, None, None, 0.0, "default", 0.0)
+
+    async def call(conn: psycopg.AsyncConnection[Any]) -> int:
+        cur = await conn.execute("SELECT 42")
+        row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])
+
+    task = asyncio.create_task(tx.run_async(call, lambda result: ack_params([outcome])))
+    try:
+        pool = await tx._async_pool()
+        # The pool tried, and gave that attempt up (its size back to none).
+        await wait_until_async(
+            lambda: (
+                pool.get_stats().get("connections_errors", 0) >= 2
+                and pool.get_stats().get("pool_size", 0) == 0
+            )
+        )
+        proxy = BlackholeProxy(
+            str(info.get("host", "127.0.0.1")), int(str(info["port"])), port=port
+        )
+        try:
+            result, acked = await asyncio.wait_for(task, timeout=15)
+        finally:
+            proxy.close()
+    finally:
+        task.cancel()
+        await tx.close()
+    assert (result, acked) == (42, False)  # ran; no such job to ack, so nothing stayed

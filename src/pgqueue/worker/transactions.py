@@ -23,12 +23,13 @@ the row that long, the attempt fails and is retried instead of waiting without e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from ..sql import Queries
 
@@ -45,6 +46,12 @@ AckParams = Callable[[Any], dict[str, Any]]
 MAX_IDLE = 60.0
 #: A handler waits this long at most for a connection (its own timeout usually ends it first).
 WAIT = 24 * 3600.0
+#: A handler asks the pool for a connection again after this many seconds of waiting. Once
+#: psycopg_pool gave up an attempt to connect (RECONNECT_TIMEOUT, the server down), only a new
+#: request starts another: handlers that were already waiting stayed waiting after the server
+#: came back (a PostgreSQL restart in the fault suite left 16 of them, every slot of a worker,
+#: waiting for minutes while its heartbeat kept their leases alive).
+ACQUIRE_STEP = 4.0
 
 #: What a handler may have left on its session, undone before the next job gets the connection
 #: (DISCARD ALL without DEALLOCATE ALL, which would drop psycopg's prepared statements).
@@ -62,6 +69,48 @@ async def _reset_async(conn: psycopg.AsyncConnection[Any]) -> None:
 def _reset_sync(conn: psycopg.Connection[Any]) -> None:
     conn.execute(RESET_SESSION)
     conn.commit()
+
+
+@contextlib.asynccontextmanager
+async def _connection_async(
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """``pool.connection()``, asking again every ACQUIRE_STEP seconds while it waits."""
+    waited = 0.0
+    while True:
+        try:
+            conn = await pool.getconn(timeout=ACQUIRE_STEP)
+            break
+        except PoolTimeout:
+            waited += ACQUIRE_STEP
+            if waited >= WAIT:
+                raise
+    try:
+        async with conn:
+            yield conn
+    finally:
+        await pool.putconn(conn)
+
+
+@contextlib.contextmanager
+def _connection_sync(
+    pool: ConnectionPool[psycopg.Connection[Any]],
+) -> Iterator[psycopg.Connection[Any]]:
+    """The same for a sync handler, in its worker thread."""
+    waited = 0.0
+    while True:
+        try:
+            conn = pool.getconn(timeout=ACQUIRE_STEP)
+            break
+        except PoolTimeout:
+            waited += ACQUIRE_STEP
+            if waited >= WAIT:
+                raise
+    try:
+        with conn:
+            yield conn
+    finally:
+        pool.putconn(conn)
 
 
 class CommitUncertainError(Exception):
@@ -132,7 +181,7 @@ class Transactions:
         """Run ``call`` in a transaction and ack in it; (result, whether the ack was ours)."""
         pool = await self._async_pool()
         acked = False
-        async with pool.connection() as conn:
+        async with _connection_async(pool) as conn:
             try:
                 async with conn.transaction():
                     result = await call(conn)
@@ -153,7 +202,7 @@ class Transactions:
     ) -> tuple[Any, bool]:
         """The same for a sync handler, in its worker thread."""
         acked = False
-        with self._sync_pool().connection() as conn:
+        with _connection_sync(self._sync_pool()) as conn:
             try:
                 with conn.transaction():
                     result = call(conn)
