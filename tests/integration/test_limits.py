@@ -410,6 +410,16 @@ async def test_a_worker_waiting_on_a_full_group_or_a_spent_rate_does_not_poll_th
         await wait_until_async(
             lambda: statuses(conn) == {"running": 1, "queued": 2, "succeeded": 1}, timeout=30
         )
+
+        async def settled() -> bool:
+            # The first 'rare' job's ack, which the statuses above show, frees its slot: the
+            # claims that follow it (one more if it freed the slot while a claim was on its
+            # way) are over once half a second passes without one.
+            before = worker.fetcher.claims
+            await asyncio.sleep(0.5)
+            return worker.fetcher.claims == before
+
+        await wait_until_async(settled, timeout=30)
         claims = worker.fetcher.claims
         await asyncio.sleep(2.0)
         # A full group and a spent rate cost no claims while nothing changes (busy polling

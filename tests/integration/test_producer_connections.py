@@ -192,7 +192,9 @@ def test_every_sync_entry_point_survives_terminated_pooled_connections(
     for name, call in calls.items():
         with app.connection() as a, app.connection() as b:  # two pooled connections
             assert a is not b
-        assert terminate_others(conn) == 2, name
+        # Both, and any the pool opened meanwhile to replace the last round's (on a loaded
+        # machine a third was still being opened: 3 killed, not 2).
+        assert terminate_others(conn) >= 2, name
         call()  # neither AdminShutdown nor a failure on the dead connection
     assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (2,)
 
