@@ -96,15 +96,15 @@ def sigkill(run: Run) -> None:
 # --- 3. SIGSTOP past the lease (zombies) ----------------------------------------------------
 
 
-def sigstop(run: Run) -> None:
-    def step() -> None:
-        victim = _victim(run)
-        run.fault("SIGSTOP", victim)
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        time.sleep(run.rng.uniform(1.5, 2.5) * run.config.lease)
-        os.kill(victim.proc.pid, signal.SIGCONT)
+def _stop_past_the_lease(run: Run, victim: Any) -> None:
+    run.fault("SIGSTOP", victim)
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    time.sleep(run.rng.uniform(1.5, 2.5) * run.config.lease)
+    os.kill(victim.proc.pid, signal.SIGCONT)
 
-    _steady(run, step)
+
+def sigstop(run: Run) -> None:
+    _steady(run, lambda: _stop_past_the_lease(run, _victim(run)))
 
 
 def zombie_checks(run: Run, result: Result) -> Checks:
@@ -628,10 +628,7 @@ def handoff(run: Run) -> None:
             return
         victim = _victim(run)
         stopped.append(victim)
-        run.fault("SIGSTOP", victim)
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        time.sleep(run.rng.uniform(1.5, 2.5) * run.config.lease)
-        os.kill(victim.proc.pid, signal.SIGCONT)
+        _stop_past_the_lease(run, victim)
 
     _steady(run, step)
 
