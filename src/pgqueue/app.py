@@ -528,7 +528,7 @@ class App:
         allow_unknown: bool,
         unique: Any = None,
         unique_key: str | None = None,
-        unique_while: str | None = None,
+        unique_while: UniqueWhile | None = None,
         unique_for: float | timedelta | None = None,
         on_conflict: str | None = None,
         grouped: bool = True,

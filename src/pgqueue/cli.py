@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC
 from typing import Any, TypeVar
 
@@ -67,6 +68,26 @@ def friendly_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@dataclass
+class GroupDatabase:
+    """``--dsn``/``--schema`` given to a command group (``queues``, ``tasks``) rather than to
+    its subcommand: they apply to the subcommand as if given to it."""
+
+    dsn: str | None
+    schema: str | None
+
+
+COMMAND_LINE = click.core.ParameterSource.COMMANDLINE
+
+
+def group_database(ctx: click.Context, dsn: str | None, schema: str) -> None:
+    source = ctx.get_parameter_source
+    ctx.obj = GroupDatabase(
+        dsn if source("dsn") is COMMAND_LINE else None,
+        schema if source("schema") is COMMAND_LINE else None,
+    )
+
+
 def db_options(func: F) -> F:
     func = click.option("--schema", default="public", show_default=True, help="PostgreSQL schema.")(
         func
@@ -99,6 +120,15 @@ def load_app(spec: str) -> App:
 def make_app(
     dsn: str | None, schema: str, app_spec: str | None = None, *, interactive: bool = True
 ) -> App:
+    # Given before a subcommand (`pgqueue queues --dsn URL pause NAME`), the group's apply
+    # unless the subcommand was given its own.
+    ctx = click.get_current_context()
+    given = ctx.find_object(GroupDatabase)
+    if given is not None:
+        if given.dsn is not None and ctx.get_parameter_source("dsn") is not COMMAND_LINE:
+            dsn = given.dsn
+        if given.schema is not None and ctx.get_parameter_source("schema") is not COMMAND_LINE:
+            schema = given.schema
     app = _resolve_app(dsn, schema, app_spec)
     if interactive:
         # A command fails at once when PostgreSQL cannot be reached, instead of retrying for
@@ -553,9 +583,15 @@ def status(dsn: str | None, schema: str) -> None:
     echo_counts(counts)
 
 
-@main.group("queues")
-def queues_command() -> None:
-    """List queues, pause and resume them (the state is kept in the database)."""
+@main.group("queues", invoke_without_command=True)
+@db_options
+@click.pass_context
+def queues_command(ctx: click.Context, dsn: str | None, schema: str) -> None:
+    """List queues (alone: as `queues list`), pause and resume them, and set their limits and
+    rates (the state is kept in the database)."""
+    group_database(ctx, dsn, schema)
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(queues_list, dsn=dsn, schema=schema)
 
 
 @queues_command.command("list")
@@ -644,10 +680,15 @@ def queues_rate(name: str, rate: str, dsn: str | None, schema: str) -> None:
     click.echo(f"queue {name!r}: " + ("no rate" if value is None else f"rate {value}"))
 
 
-@main.group("tasks")
-def tasks_command() -> None:
-    """List task limits and rates, and change them at run time (kept over the code's values
-    until reset)."""
+@main.group("tasks", invoke_without_command=True)
+@db_options
+@click.pass_context
+def tasks_command(ctx: click.Context, dsn: str | None, schema: str) -> None:
+    """List task limits and rates (alone: as `tasks list`), and change them at run time (kept
+    over the code's values until reset)."""
+    group_database(ctx, dsn, schema)
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(tasks_list, dsn=dsn, schema=schema)
 
 
 @tasks_command.command("list")

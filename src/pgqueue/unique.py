@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -19,7 +19,9 @@ from typing import Any, Literal
 from .errors import InvalidJobError
 from .jobs import MAX_DELAY_SECONDS
 
-UniqueWhile = Literal["waiting", "active"]
+#: While a key holds: a rule's name, or the job states it names (a collection of state names:
+#: queued and retrying for "waiting", those and running for "active").
+UniqueWhile = Literal["waiting", "active"] | Collection[str]
 OnConflict = Literal["keep", "replace", "debounce"]
 #: How a task makes its key: True (every argument), the names of the arguments that matter, or
 #: a function of the arguments returning a string.
@@ -56,13 +58,31 @@ def check_by(by: object) -> UniqueBy:
     return tuple(by)
 
 
+#: The job states each rule refuses a second job in, for a ``unique_while`` given as states.
+_WHILE_STATES = {
+    frozenset({"queued", "retrying"}): "waiting",
+    frozenset({"queued", "retrying", "running"}): "active",
+}
+
+
 def check_while(value: object) -> str:
-    if value not in UNIQUE_WHILE:
-        raise InvalidJobError(
-            f"unique_while must be 'waiting' (queued or retrying) or 'active' (also while "
-            f"running), got {value!r}"
-        )
-    return str(value)
+    if isinstance(value, str):
+        if value in UNIQUE_WHILE:
+            return value
+    elif isinstance(value, Collection) and all(isinstance(v, str) for v in value):
+        rule = _WHILE_STATES.get(frozenset(value))
+        if rule is not None:
+            return rule
+        if "succeeded" in value:
+            raise InvalidJobError(
+                "unique_while: a key is kept after success with unique_for=SECONDS (beside "
+                f"unique_while='active' or 'waiting'), not with a state; got {value!r}"
+            )
+    raise InvalidJobError(
+        "unique_while must be 'waiting' (queued or retrying) or 'active' (also while "
+        "running), or those states as a list (['queued', 'retrying'] or ['queued', "
+        f"'retrying', 'running']), got {value!r}"
+    )
 
 
 def check_for(value: object) -> float | None:

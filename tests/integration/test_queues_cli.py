@@ -143,3 +143,26 @@ def test_bad_limits_and_rates_get_one_line_errors(
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_groups_alone_list_and_take_the_database_before_a_subcommand(
+    runner: CliRunner, dsn: str, app: pgqueue.App
+) -> None:
+    app.enqueue("t", {}, queue="emails", allow_unknown=True)
+    # `pgqueue queues` / `pgqueue tasks` alone list, like their `list`.
+    assert (
+        run(runner, "queues", "--dsn", dsn).output
+        == run(runner, "queues", "list", "--dsn", dsn).output
+    )
+    assert run(runner, "tasks", "--dsn", dsn).output == "no task has a limit or a rate\n"
+    # The database given before the subcommand is the one it uses...
+    paused = run(runner, "queues", "--dsn", dsn, "pause", "emails")
+    assert paused.exit_code == 0 and paused.output == "queue 'emails' paused\n"
+    assert app.paused_queues() == ["emails"]
+    assert run(runner, "tasks", "--dsn", dsn, "limit", "send", "2").exit_code == 0
+    assert [(t.name, t.limit) for t in app.task_limits()] == [("send", 2)]
+    # ... unless the subcommand names its own.
+    resumed = run(runner, "queues", "--dsn", UNREACHABLE, "resume", "emails", "--dsn", dsn)
+    assert resumed.exit_code == 0 and app.paused_queues() == []
+    unreachable = run(runner, "queues", "--dsn", UNREACHABLE)
+    assert unreachable.exit_code == 2 and unreachable.output.startswith("error: cannot connect")

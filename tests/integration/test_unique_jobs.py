@@ -111,16 +111,20 @@ HOLDS = {
     ("active", True): {"queued", "retrying", "running", "succeeded"},
 }
 STATUSES = ["queued", "running", "retrying", "succeeded", "dead", "cancelled"]
+#: unique_while given as the states it names, in any order and collection.
+AS_STATES = {"waiting": ["retrying", "queued"], "active": ("running", "queued", "retrying")}
 
 
+@pytest.mark.parametrize("as_states", [False, True], ids=["named", "as-states"])
 @pytest.mark.parametrize(("rule", "holds"), sorted(HOLDS.items()))
 def test_each_rule_refuses_a_second_job_exactly_in_its_states(
-    app: pgqueue.App, conn: Conn, rule: tuple[str, bool], holds: set[str]
+    app: pgqueue.App, conn: Conn, rule: tuple[str, bool], holds: set[str], as_states: bool
 ) -> None:
     unique_while, after_success = rule
+    spelled = AS_STATES[unique_while] if as_states else unique_while
 
     @app.task(
-        unique=True, unique_while=cast(Any, unique_while), unique_for=60 if after_success else None
+        unique=True, unique_while=cast(Any, spelled), unique_for=60 if after_success else None
     )
     def work(n: int) -> None: ...
 
@@ -345,6 +349,11 @@ def test_a_bad_job_in_a_unique_batch_writes_nothing(app: pgqueue.App, conn: Conn
     ("options", "message"),
     [
         ({"unique": True, "unique_while": "running"}, "unique_while must be 'waiting'"),
+        ({"unique": True, "unique_while": ["queued"]}, "or those states as a list"),
+        (
+            {"unique": True, "unique_while": ["queued", "succeeded"]},
+            "after success with unique_for",
+        ),
         ({"unique": True, "on_conflict": "merge"}, "on_conflict must be 'keep', 'replace'"),
         ({"unique": True, "unique_for": -1}, "unique_for must be a positive number"),
         ({"unique": True, "unique_for": float("inf")}, "unique_for must be a positive number"),
