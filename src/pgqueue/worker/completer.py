@@ -39,14 +39,11 @@ from ..sql import Queries
 from . import arrays
 from .connections import Connections
 from .executor import Outcome, ack_params
+from .fetcher import LIMIT_CLAIM_IDLE_MS
 from .outage import Outage
 from .state import round_failed
 
 log = logging.getLogger("pgqueue.worker.completer")
-
-#: The hand-off runs with the limited claim's settings (limit_claim_settings): its idle timeout
-#: never fires in a pipelined transaction; the scans' settings are what it needs.
-IDLE_MS = "5000"
 
 #: First pause before an ack whose row was locked is tried again; it doubles up to the maximum.
 BUSY_RETRY = 0.2
@@ -320,12 +317,15 @@ class Completer:
                     async with conn.pipeline():
                         cur = await conn.execute(self.q.complete_jobs, params)
                         if hand is not None:
-                            await conn.execute(self.q.limit_claim_settings, {"idle": IDLE_MS})
+                            # The limited claim's settings: the scans' are what the hand-off
+                            # needs (its idle timeout never fires in a pipelined transaction).
+                            idle = {"idle": LIMIT_CLAIM_IDLE_MS}
+                            await conn.execute(self.q.limit_claim_settings, idle)
                             handing = await conn.execute(self.q.hand_off_queue_slots, hand)
                         if wake:
                             await conn.execute(self.q.wake_waiting_workers, {"queues": wake})
                     self.woke = frozenset(wake)
-                    if handing is not None and hand is not None:
+                    if handing is not None and hand is not None:  # (hand: for mypy)
                         rows = await handing.fetchall()
                         if rows:
                             self.handed = Counter(str(row[1]) for row in rows)
