@@ -217,3 +217,80 @@ async def test_the_heartbeat_gets_the_next_free_connection_before_other_lanes(ds
         assert pool.peak == 1
     finally:
         await pool.close()
+
+
+async def test_a_look_beside_the_claims_ends_with_the_worker_that_started_it(
+    dsn: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fetcher's look at the next due job, run beside the claims (slow while vacuum is held
+    back), is cancelled when the worker stops, and its query with it, before run() returns: left
+    to finish on its own, it outlived the worker, and the event loop's close cancelled it a
+    second time in the middle of psycopg's cancellation ("query cancellation interrupted")."""
+    from pgqueue.worker.fetcher import Fetcher
+
+    quick_look = Fetcher.next_due_in
+
+    async def slow_look(self: Fetcher, pool: Any = None) -> float | None:
+        if asyncio.current_task() is not self._look:  # the claim loop's own looks
+            return await quick_look(self, pool)
+        # On a connection of its own: on the claims' lane it would hold up the claims too.
+        async with await psycopg.AsyncConnection.connect(dsn) as c:
+            await c.execute("SELECT pg_sleep(60) /* slow look */")
+        return None
+
+    monkeypatch.setattr(Fetcher, "next_due_in", slow_look)
+    app = pgqueue.App(dsn)
+
+    def sleeping() -> int:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active'",
+            ("%/* slow look */%",),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    try:
+        async with running_worker(app, **FAST) as worker:
+            fetcher = worker.fetcher
+            fetcher._look_beside(asyncio.get_running_loop())
+            look = fetcher._look
+            assert look is not None
+            await wait_until_async(lambda: sleeping() == 1, timeout=30)
+        # run() has returned: nothing of the worker is left running.
+        assert look.done()
+        assert sleeping() == 0
+    finally:
+        await app.aclose()
+
+
+async def test_background_rounds_end_before_the_worker_returns(
+    dsn: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wake (or an announcement) still on its way when the worker stops gets a moment, then
+    is cancelled and waited for: run() returns with none of them left running."""
+    from pgqueue.worker.runtime import Worker
+
+    async def slow_wake(self: Worker, queues: list[str]) -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as c:
+            await c.execute("SELECT pg_sleep(60) /* slow wake */")
+
+    monkeypatch.setattr(Worker, "_wake", slow_wake)
+    app = pgqueue.App(dsn)
+
+    def sleeping() -> int:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active'",
+            ("%/* slow wake */%",),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    try:
+        async with running_worker(app, **FAST) as worker:
+            worker.wake(["default"])
+            [wake] = worker._wakes
+            await wait_until_async(lambda: sleeping() == 1, timeout=30)
+        assert wake.done()
+        assert sleeping() == 0
+    finally:
+        await app.aclose()

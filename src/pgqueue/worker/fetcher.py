@@ -92,6 +92,8 @@ LIMIT_SCAN_MIN = 16
 LIMIT_SCAN_MAX = 1000
 #: The limited claim's session ends if it stalls this long inside its transaction (milliseconds).
 LIMIT_CLAIM_IDLE_MS = "5000"
+#: Seconds a stopping fetcher waits for its looks beside the claims to end once cancelled.
+SIDE_CANCEL_WAIT = 2.0
 #: Past every job id: the bound a short slow claim leaves (claim_dry_position).
 LAST_ID = 2**63 - 1
 #: When another worker held a limit group or queue this claim wanted: look again after this
@@ -690,13 +692,19 @@ class Fetcher:
         try:
             await self._run(stopping)
         finally:
-            for side in (self._horizon_look, self._look):
-                if side is not None and not side.done():
-                    side.cancel()  # a diagnosis or a look: not worth delaying a shutdown
+            sides = {s for s in (self._horizon_look, self._look) if s is not None and not s.done()}
+            for side in sides:
+                side.cancel()  # a diagnosis or a look: not worth delaying a shutdown
             if self._sweep is not None and not self._sweep.done():
                 # Never cancelled: the jobs it claims go through start (handed back when
                 # stopping), not left running under this worker's lease.
                 await asyncio.wait({self._sweep})
+            if sides:
+                # Their cancellation ends before the worker closes its pool: psycopg cancels a
+                # query in the server and waits for it to end. Left to finish on their own,
+                # they outlived the worker, and whoever closed the event loop cancelled them
+                # again, which interrupted that wait ("query cancellation interrupted").
+                await asyncio.wait(sides, timeout=SIDE_CANCEL_WAIT)
 
     async def _run(self, stopping: asyncio.Event) -> None:
         state = self.state

@@ -69,6 +69,10 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 _STATS_KIND = {"succeeded": "succeeded", "retrying": "retried", "dead": "dead"}
 #: Job ids per NOTIFY of finished jobs (a payload stays well under PostgreSQL's 8,000 bytes).
 ANNOUNCE_CHUNK = 400
+#: Seconds a stopping worker gives its background rounds (wakes, announcements) to end before
+#: it cancels them, and what it waits at most for cancelled tasks to end (see _end_tasks).
+BACKGROUND_WAIT = 1.0
+CANCEL_WAIT = 2.0
 
 #: The default prefetch's floor. The buffer is the last 50 ms of completions at most, so this
 #: only matters for short jobs: with the concurrency as the only cap, no-op jobs drained at
@@ -481,8 +485,7 @@ class Worker:
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self._deregister(pool)
         finally:
-            for task in [fetcher, heartbeat, *services, *self.slots.tasks, *self._wakes]:
-                task.cancel()
+            await self._end_tasks([fetcher, heartbeat, *services, *self.slots.tasks])
             await self.heartbeat.close()
             await self.transactions.close()
             await pool.close()
@@ -493,6 +496,24 @@ class Worker:
             log.info("worker %s stopped", self.id)
         if self.failure is not None:
             raise PgQueueError(f"worker stopped: {self.failure}")
+
+    async def _end_tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+        """Before the pool closes: what still runs is cancelled (none does after a clean stop),
+        background rounds (wakes, announcements) first get ``BACKGROUND_WAIT`` to finish, and
+        everything cancelled is waited for (at most ``CANCEL_WAIT``), so that no task of the
+        worker outlives ``run()``. A task left cancelling used a connection of a closed pool,
+        and whoever closed the event loop cancelled it again in the middle of psycopg's own
+        cancellation of its query ("query cancellation interrupted")."""
+        running = [task for task in tasks if not task.done()]
+        for task in running:
+            task.cancel()
+        if self._wakes:
+            await asyncio.wait(set(self._wakes), timeout=BACKGROUND_WAIT)
+        background = [task for task in self._wakes if not task.done()]
+        for task in background:
+            task.cancel()
+        if running or background:
+            await asyncio.wait({*running, *background}, timeout=CANCEL_WAIT)
 
     # --- life cycle -----------------------------------------------------------------------
 
