@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from pgqueue.backoff import Backoff
 from tests import django_project
 from tests.helpers import ROOT, wait_until
 
@@ -274,7 +275,7 @@ def test_manage_py_migrate_creates_pgqueue_tables(
 
 
 def test_with_max_attempts_a_failed_attempt_is_ready_again_with_its_error(
-    django_db: str, conn: Conn
+    django_db: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from django.test import override_settings
 
@@ -283,6 +284,9 @@ def test_with_max_attempts_a_failed_attempt_is_ready_again_with_its_error(
 
     tasks = {"default": {"BACKEND": "pgqueue.contrib.django.PgQueueBackend",
                          "OPTIONS": {"MAX_ATTEMPTS": 3}}}  # fmt: skip
+    # The retry a minute away, not within the first second (the backoff's full jitter): one
+    # due before the worker stops runs a second attempt (seen under a loaded CI run).
+    monkeypatch.setattr(Backoff, "delay", lambda self, attempt, rng=None: 60.0)
     with override_settings(TASKS=tasks):
         result = explode.enqueue("try again")
         with worker_thread():
