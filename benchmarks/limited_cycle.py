@@ -47,7 +47,9 @@ def _middle(steps: list[Step]) -> list[Step]:
     return steps[len(steps) // 4 : 3 * len(steps) // 4] or steps
 
 
-def _drain(database: str, jobs: int, limit: str) -> tuple[float, list[Step]]:
+def _drain(
+    database: str, jobs: int, limit: str, prefetch: int | None = None
+) -> tuple[float, list[Step]]:
     app = pgqueue.App(database)
     app.task(name="noop")(_noop)
     declare_keyed(app, _noop)
@@ -81,7 +83,7 @@ def _drain(database: str, jobs: int, limit: str) -> tuple[float, list[Step]]:
         elif limit == "key":
             Fetcher.claim_limited = timed_claim  # type: ignore[method-assign,assignment]
         try:
-            rate = _run(lambda: _work(app, database, jobs))
+            rate = _run(lambda: _work(app, database, jobs, prefetch))
         finally:
             Completer._write_on = write  # type: ignore[method-assign]
             Fetcher.claim_limited = claim  # type: ignore[method-assign]
@@ -95,8 +97,8 @@ def _run(main: Callable[[], Coroutine[Any, Any, float]]) -> float:
         return runner.run(main())
 
 
-async def _work(app: pgqueue.App, database: str, jobs: int) -> float:
-    worker = app.worker(concurrency=CONCURRENCY, install_signal_handlers=False)
+async def _work(app: pgqueue.App, database: str, jobs: int, prefetch: int | None) -> float:
+    worker = app.worker(concurrency=CONCURRENCY, prefetch=prefetch, install_signal_handlers=False)
     began = time.perf_counter()
     running = asyncio.create_task(worker.run())
     async with await psycopg.AsyncConnection.connect(database, autocommit=True) as conn:
@@ -144,7 +146,7 @@ def _line(limit: str, f: dict[str, float], plain: float | None) -> str:
     return text
 
 
-def bench(dsn: str, jobs: int, rounds: int) -> None:
+def bench(dsn: str, jobs: int, rounds: int, prefetch: int | None = None) -> None:
     databases = Databases(dsn)
     results: dict[str, list[dict[str, float]]] = {"none": [], "queue": [], "key": []}
     order = ["none", "queue", "key"]
@@ -152,7 +154,7 @@ def bench(dsn: str, jobs: int, rounds: int) -> None:
         plain = None
         for limit in order[index % 3 :] + order[: index % 3]:
             with databases.fresh() as database:
-                rate, steps = _drain(database, jobs, limit)
+                rate, steps = _drain(database, jobs, limit, prefetch)
             figures = _figures(limit, rate, steps)
             results[limit].append(figures)
             if limit == "none":
@@ -171,12 +173,13 @@ def main() -> None:
     parser.add_argument("--dsn", help="a server where databases may be created")
     parser.add_argument("--jobs", type=int, default=30_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefetch", type=int, help="the worker's prefetch (default: its own)")
     options = parser.parse_args()
     if options.dsn:
-        bench(options.dsn, options.jobs, options.rounds)
+        bench(options.dsn, options.jobs, options.rounds, options.prefetch)
         return
     with EmbeddedPostgres() as server:
-        bench(server.dsn, options.jobs, options.rounds)
+        bench(server.dsn, options.jobs, options.rounds, options.prefetch)
 
 
 if __name__ == "__main__":

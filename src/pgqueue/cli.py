@@ -758,7 +758,7 @@ def tasks_reset(name: str, dsn: str | None, schema: str) -> None:
     "--prefetch",
     type=click.IntRange(min=0),
     default=None,
-    help="Most jobs claimed ahead of free slots (default: the concurrency, at least 256).",
+    help="Most jobs claimed ahead of free slots (default: the concurrency, at least 1024).",
 )
 @click.option("--lease", type=float, default=30.0, show_default=True, help="Lease seconds.")
 @click.option(

@@ -170,6 +170,6 @@ def test_prefetch_must_be_a_non_negative_integer(app: pgqueue.App) -> None:
         with pytest.raises(pgqueue.ConfigurationError, match="prefetch"):
             app.worker(prefetch=bad)
     # The default: the concurrency, but never so few that short jobs are claimed in dribs.
-    assert app.worker(concurrency=7).prefetch == 256
-    assert app.worker(concurrency=300).prefetch == 300
+    assert app.worker(concurrency=7).prefetch == 1024
+    assert app.worker(concurrency=3000).prefetch == 3000
     assert app.worker(concurrency=7, prefetch=0).prefetch == 0

@@ -77,8 +77,9 @@ CANCEL_WAIT = 2.0
 #: The default prefetch's floor. The buffer is the last 50 ms of completions at most, so this
 #: only matters for short jobs: with the concurrency as the only cap, no-op jobs drained at
 #: concurrency 10 at a sixth of the rate at 250 or more, in claims too small to pay for
-#: themselves (docs/performance.md, "Concurrency-independent processing").
-PREFETCH_DEFAULT = 256
+#: themselves; at 256 a worker still drained 12-30 % slower than at 1,024 (docs/performance.md,
+#: "Concurrency-independent processing").
+PREFETCH_DEFAULT = 1024
 
 
 class Worker:
