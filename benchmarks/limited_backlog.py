@@ -89,13 +89,17 @@ def _run(main: Callable[[], Coroutine[Any, Any, float]]) -> float:
         return runner.run(main())
 
 
-async def _work(app: pgqueue.App, database: str, jobs: int) -> float:
-    worker = app.worker(concurrency=CONCURRENCY, install_signal_handlers=False)
+async def _work(
+    app: pgqueue.App, database: str, jobs: int, prefetch: int | None = None, poll: float = 0.2
+) -> float:
+    """Jobs per second of one worker draining ``jobs`` (its prefetch: its own by default),
+    looked at every ``poll`` seconds."""
+    worker = app.worker(concurrency=CONCURRENCY, prefetch=prefetch, install_signal_handlers=False)
     began = time.perf_counter()
     running = asyncio.create_task(worker.run())
     async with await psycopg.AsyncConnection.connect(database, autocommit=True) as conn:
         while True:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(poll)
             row = await (await conn.execute(PgqueueAdapter.remaining_sql)).fetchone()
             if row is not None and row[0] == 0:
                 break

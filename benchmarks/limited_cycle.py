@@ -17,30 +17,23 @@ run's steps, then of the rounds.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import psycopg
 
-import pgqueue
-from pgqueue.bench.adapter import KEYED_TASK, PgqueueAdapter, declare_keyed
+from benchmarks.limited_backlog import CONCURRENCY, _app, _run, _work
+from pgqueue.bench.adapter import KEYED_TASK
 from pgqueue.bench.processes import Databases
 from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.worker.completer import Completer
 from pgqueue.worker.fetcher import Fetcher
-from pgqueue.worker.runtime import loop_factory
 
-CONCURRENCY = 100
 FILL = 5_000
 #: (start, seconds, jobs) of each timed step.
 Step = tuple[float, float, int]
-
-
-async def _noop(seq: int) -> None: ...
 
 
 def _middle(steps: list[Step]) -> list[Step]:
@@ -50,9 +43,7 @@ def _middle(steps: list[Step]) -> list[Step]:
 def _drain(
     database: str, jobs: int, limit: str, prefetch: int | None = None
 ) -> tuple[float, list[Step]]:
-    app = pgqueue.App(database)
-    app.task(name="noop")(_noop)
-    declare_keyed(app, _noop)
+    app = _app(database)
     steps: list[Step] = []
     write, claim = Completer._write_on, Fetcher.claim_limited
 
@@ -83,34 +74,13 @@ def _drain(
         elif limit == "key":
             Fetcher.claim_limited = timed_claim  # type: ignore[method-assign,assignment]
         try:
-            rate = _run(lambda: _work(app, database, jobs, prefetch))
+            rate = _run(lambda: _work(app, database, jobs, prefetch, poll=0.05))
         finally:
             Completer._write_on = write  # type: ignore[method-assign]
             Fetcher.claim_limited = claim  # type: ignore[method-assign]
         return rate, steps
     finally:
         app.close()
-
-
-def _run(main: Callable[[], Coroutine[Any, Any, float]]) -> float:
-    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
-        return runner.run(main())
-
-
-async def _work(app: pgqueue.App, database: str, jobs: int, prefetch: int | None) -> float:
-    worker = app.worker(concurrency=CONCURRENCY, prefetch=prefetch, install_signal_handlers=False)
-    began = time.perf_counter()
-    running = asyncio.create_task(worker.run())
-    async with await psycopg.AsyncConnection.connect(database, autocommit=True) as conn:
-        while True:
-            await asyncio.sleep(0.05)
-            row = await (await conn.execute(PgqueueAdapter.remaining_sql)).fetchone()
-            if row is not None and row[0] == 0:
-                break
-    took = time.perf_counter() - began
-    worker.stop()
-    await running
-    return jobs / took
 
 
 def _figures(limit: str, rate: float, steps: list[Step]) -> dict[str, float]:

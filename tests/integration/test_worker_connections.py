@@ -33,6 +33,16 @@ def worker_backends(conn: Conn) -> int:
     return int(row[0])
 
 
+def active_queries(conn: Conn, marker: str) -> int:
+    """Statements running now whose text carries ``/* marker */``."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active'",
+        (f"%/* {marker} */%",),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def succeeded(conn: Conn) -> int:
     row = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE status = 'succeeded'").fetchone()
     assert row is not None
@@ -241,24 +251,16 @@ async def test_a_look_beside_the_claims_ends_with_the_worker_that_started_it(
     monkeypatch.setattr(Fetcher, "next_due_in", slow_look)
     app = pgqueue.App(dsn)
 
-    def sleeping() -> int:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active'",
-            ("%/* slow look */%",),
-        ).fetchone()
-        assert row is not None
-        return int(row[0])
-
     try:
         async with running_worker(app, **FAST) as worker:
             fetcher = worker.fetcher
             fetcher._look_beside(asyncio.get_running_loop())
             look = fetcher._look
             assert look is not None
-            await wait_until_async(lambda: sleeping() == 1, timeout=30)
+            await wait_until_async(lambda: active_queries(conn, "slow look") == 1, timeout=30)
         # run() has returned: nothing of the worker is left running.
         assert look.done()
-        assert sleeping() == 0
+        assert active_queries(conn, "slow look") == 0
     finally:
         await app.aclose()
 
@@ -277,20 +279,12 @@ async def test_background_rounds_end_before_the_worker_returns(
     monkeypatch.setattr(Worker, "_wake", slow_wake)
     app = pgqueue.App(dsn)
 
-    def sleeping() -> int:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s AND state = 'active'",
-            ("%/* slow wake */%",),
-        ).fetchone()
-        assert row is not None
-        return int(row[0])
-
     try:
         async with running_worker(app, **FAST) as worker:
             worker.wake(["default"])
             [wake] = worker._wakes
-            await wait_until_async(lambda: sleeping() == 1, timeout=30)
+            await wait_until_async(lambda: active_queries(conn, "slow wake") == 1, timeout=30)
         assert wake.done()
-        assert sleeping() == 0
+        assert active_queries(conn, "slow wake") == 0
     finally:
         await app.aclose()
