@@ -103,8 +103,17 @@ def _column(values: list[Any]) -> list[Any] | None:
     """An array parameter of insert_coalesced_jobs, or NULL when every value is NULL: unnest
     pads a shorter array (a NULL one has no elements) with NULLs, and psycopg's dump of a list
     of 100 Nones cost about as much as a list of 100 values. Most batches leave six of the
-    twelve columns empty (no absolute run_at, no key, no limit group, no meta)."""
+    twelve columns empty (no absolute run_at, no key, no limit group, no meta), and five more
+    the same in every row (``_shared``): only the arguments are then an array of 100."""
     return None if values.count(None) == len(values) else values
+
+
+def _shared(values: list[Any]) -> tuple[list[Any] | None, Any]:
+    """An array parameter of insert_coalesced_jobs and its ``*_all`` twin: (NULL, the value)
+    when every row has the same non-NULL value, else (the values, NULL)."""
+    if values and values[0] is not None and values.count(values[0]) == len(values):
+        return None, values[0]
+    return values, None
 
 
 class Batch:
@@ -128,14 +137,24 @@ class Batch:
 
     def params(self) -> dict[str, Any]:
         rows = [self.rows[i] for i in self.todo]
+        queues, queue = _shared([r.queue for r in rows])
+        tasks, task = _shared([r.task for r in rows])
+        priorities, priority = _shared([r.priority for r in rows])
+        delays, delay = _shared([r.delay for r in rows])
+        max_attempts, max_attempts_all = _shared([r.max_attempts for r in rows])
         return {
-            "queues": [r.queue for r in rows],
-            "tasks": [r.task for r in rows],
+            "queues": queues,
+            "queue_all": queue,
+            "tasks": tasks,
+            "task_all": task,
             "args": [r.args_json for r in rows],
-            "priorities": [r.priority for r in rows],
+            "priorities": priorities,
+            "priority_all": priority,
             "run_ats": _column([r.run_at for r in rows]),
-            "delays": [r.delay for r in rows],
-            "max_attempts": [r.max_attempts for r in rows],
+            "delays": delays,
+            "delay_all": delay,
+            "max_attempts": max_attempts,
+            "max_attempts_all": max_attempts_all,
             "keys": _column([r.unique_key for r in rows]),
             "whiles": _column([r.unique_while for r in rows]),
             "fors": _column([r.unique_for for r in rows]),

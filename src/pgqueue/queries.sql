@@ -168,6 +168,10 @@ RETURNING j.unique_key, j.xmax = 0
 -- insert_group_members). A key held by a job the rule of insert_unique_job still holds for
 -- answers that job; a key whose job no longer holds it answers nothing (released, sent again).
 -- RETURNING: the id, the key (NULL for a plain job), and whether the job already existed.
+-- A column whose value is the same in every row (queue, task, priority, delay, max_attempts:
+-- most batches) comes as that one value (the *_all parameters) and a NULL array, which unnest
+-- pads with NULLs; a column NULL in every row comes as a NULL array alone (coalesce._column):
+-- psycopg dumps an array element by element, and the producer's process is the limit.
 INSERT INTO {schema}.pgqueue_jobs AS j
     (queue, task, args, priority, run_at, max_attempts, unique_key, unique_while, unique_for,
      limit_key, meta)
@@ -176,12 +180,20 @@ SELECT d.queue, d.task, d.args::jsonb, d.priority,
        d.unique_key, d.unique_while, d.unique_for,
        COALESCE(d.limit_key, (SELECT '' FROM {schema}.pgqueue_tasks WHERE name = d.task)),
        d.meta::jsonb
-FROM unnest(%(queues)b::text[], %(tasks)b::text[], %(args)b::text[], %(priorities)b::int[],
-            %(run_ats)b::timestamptz[], %(delays)b::float8[], %(max_attempts)b::int[],
-            %(keys)b::text[], %(whiles)b::text[], %(fors)b::float8[], %(limit_keys)b::text[],
-            %(metas)b::text[]) WITH ORDINALITY
-     AS d(queue, task, args, priority, run_at, delay, max_attempts, unique_key, unique_while,
-          unique_for, limit_key, meta, ord)
+FROM (
+    SELECT COALESCE(u.queue, %(queue_all)s::text) AS queue,
+           COALESCE(u.task, %(task_all)s::text) AS task, u.args,
+           COALESCE(u.priority, %(priority_all)s::int) AS priority, u.run_at,
+           COALESCE(u.delay, %(delay_all)s::float8) AS delay,
+           COALESCE(u.max_attempts, %(max_attempts_all)s::int) AS max_attempts,
+           u.unique_key, u.unique_while, u.unique_for, u.limit_key, u.meta, u.ord
+    FROM unnest(%(queues)b::text[], %(tasks)b::text[], %(args)b::text[], %(priorities)b::int[],
+                %(run_ats)b::timestamptz[], %(delays)b::float8[], %(max_attempts)b::int[],
+                %(keys)b::text[], %(whiles)b::text[], %(fors)b::float8[],
+                %(limit_keys)b::text[], %(metas)b::text[]) WITH ORDINALITY
+         AS u(queue, task, args, priority, run_at, delay, max_attempts, unique_key,
+              unique_while, unique_for, limit_key, meta, ord)
+) d
 ORDER BY d.unique_key, d.ord
 ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO UPDATE SET args = j.args
 WHERE j.status IN ('queued', 'retrying')

@@ -383,6 +383,34 @@ async def test_each_job_keeps_its_options_and_hooks_see_each_call(dsn: str, conn
     assert rows[True][0][5] == "tenant-1" and rows[True][0][6] == {"tagged": "per_tenant"}
 
 
+async def test_options_every_job_of_a_batch_shares_are_kept(dsn: str, conn: Conn) -> None:
+    """A value the same in every row goes once beside a NULL array (coalesce._shared): the
+    stored jobs are still those written one by one, non-default and zero values alike."""
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    batches: list[list[dict[str, Any]]] = [
+        [{"queue": "other", "priority": 5, "max_attempts": 3, "delay": 3600}] * 3,
+        [{"priority": 0, "delay": 0, "meta": {"m": 1}}] * 3,
+        [{"priority": -2, "run_at": at}, {"priority": -2, "run_at": at, "queue": "q2"}],
+    ]
+    for options in batches:
+        rows: dict[bool, list[tuple[Any, ...]]] = {}
+        for coalesce in (False, True):
+            conn.execute("TRUNCATE pgqueue_jobs")
+            app = pgqueue.App(dsn, coalesce=coalesce)
+            try:
+                calls = [
+                    app.enqueue_async("shared", {"i": i}, allow_unknown=True, **o)
+                    for i, o in enumerate(options)
+                ]
+                ids = await asyncio.gather(*calls) if coalesce else [await c for c in calls]
+                rows[coalesce] = [conn.execute(SELECT_COLUMNS, (i,)).fetchone() or () for i in ids]
+            finally:
+                app.close()
+            if coalesce:
+                assert stats(app) == CoalesceStats(batches=1, jobs=len(options))
+        assert rows[True] == rows[False]
+
+
 # --- closing --------------------------------------------------------------------------------
 
 
