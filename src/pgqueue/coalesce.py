@@ -101,10 +101,11 @@ def batchable(row: JobRow) -> bool:
 
 def _column(values: list[Any]) -> list[Any] | None:
     """An array parameter of insert_coalesced_jobs, or NULL when every value is NULL: unnest
-    pads a shorter array (a NULL one has no elements) with NULLs, and psycopg's dump of a list
-    of 100 Nones cost about as much as a list of 100 values. Most batches leave six of the
-    twelve columns empty (no absolute run_at, no key, no limit group, no meta), and five more
-    the same in every row (``_shared``): only the arguments are then an array of 100."""
+    pads a shorter array (a NULL one has no elements) with NULLs, while psycopg dumps a list
+    element by element, Nones too. Most batches leave six of the twelve columns empty (no
+    absolute run_at, no key, no limit group, no meta), and five more the same in every row
+    (``_shared``): only the arguments are then an array of 100 (docs/performance.md,
+    "Coalescing producer", for what each trim measured)."""
     return None if values.count(None) == len(values) else values
 
 
