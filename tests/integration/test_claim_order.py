@@ -206,7 +206,10 @@ def test_delayed_jobs_of_higher_priority_cost_a_claim_almost_nothing(conn: Conn)
     """Half a million delayed jobs above the due ones (two priorities, two queues) cost finding
     and locking a batch a scan of all of them before the fix (4,637 buffers here instead of
     ~230-420; 4,400 and 38 ms a claim in the report); now a few index descents, in every variant
-    of the claim a worker uses while such jobs exist (claim_jobs_by_priority)."""
+    of the claim a worker uses while such jobs exist (claim_jobs_by_priority), and in the claims
+    after a bound (claim_jobs_after, which a worker uses once a claim was slow: before it walked
+    the priorities it read 4,644 buffers here instead of ~420, and the `delayed` benchmark's
+    drain lost up to a third of its rate whenever a worker entered that mode)."""
     register_worker(conn, WORKER)
     q = queries("public")
     conn.execute(
@@ -215,17 +218,29 @@ def test_delayed_jobs_of_higher_priority_cost_a_claim_almost_nothing(conn: Conn)
         " FROM generate_series(1, 30000) AS g"
     )
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
-    claims: dict[str, tuple[bytes, list[str] | None]] = {
-        "claim_jobs_by_priority": (q.claim_jobs_by_priority, None),
-        "in_queues, one queue": (q.claim_jobs_by_priority_in_queues, ["a"]),
-        "in_queues, two queues": (q.claim_jobs_by_priority_in_queues, ["a", "b"]),
+    # A bound in the middle of the due jobs' highest priority: the claims after it take the
+    # rest of priority 1 in order.
+    found = conn.execute(
+        "SELECT priority, run_at::text, id FROM pgqueue_jobs WHERE priority = 1"
+        " ORDER BY run_at, id OFFSET 5000 LIMIT 1"
+    ).fetchone()
+    assert found is not None
+    bound = dict(zip(("after_priority", "after_run_at", "after_id"), found, strict=True))
+    claims: dict[str, tuple[bytes, list[str] | None, dict[str, Any]]] = {
+        "claim_jobs_by_priority": (q.claim_jobs_by_priority, None, {}),
+        "in_queues, one queue": (q.claim_jobs_by_priority_in_queues, ["a"], {}),
+        "in_queues, two queues": (q.claim_jobs_by_priority_in_queues, ["a", "b"], {}),
+        "claim_jobs_after": (q.claim_jobs_after, None, bound),
+        "after, one queue": (q.claim_jobs_after_in_queues, ["a"], bound),
+        "after, two queues": (q.claim_jobs_after_in_queues, ["a", "b"], bound),
     }
 
     def cost() -> dict[str, int]:
         found = {}
-        for name, (statement, queues) in claims.items():
+        for name, (statement, queues, after) in claims.items():
             # The all-queues claim runs on its cached generic plan, the in_queues one on custom ones.
-            plan = explain(conn, statement, claim_params(200, queues), generic=queues is None)
+            values = {**claim_params(200, queues), **after}
+            plan = explain(conn, statement, values, generic=queues is None)
             assert plan["Actual Rows"] == 200, name
             found[name] = buffers(claim_selection(plan))
         return found
