@@ -619,12 +619,15 @@ async def test_slot_hand_offs_obey_a_lowered_limit_and_a_pause(
     app.enqueue_many([("call", {"n": n}) for n in range(2000)])
     async with running_worker(app, concurrency=4, **NO_POLL) as worker:
         await wait_until_async(lambda: worker.completer.handed_off > 20, timeout=30)
-        lowered = conn.execute("SELECT clock_timestamp()").fetchone()
+        # Each time is read once the change has committed: a claim that began before the
+        # commit may still take jobs under the old setting (read before it, such a claim made
+        # this test fail on a loaded machine).
         app.limit_queue("api", limit=1)
+        lowered = conn.execute("SELECT clock_timestamp()").fetchone()
         done = len(tracker.done)
         await wait_until_async(lambda: len(tracker.done) > done + 20, timeout=30)
-        paused = conn.execute("SELECT clock_timestamp()").fetchone()
         app.pause_queue("api")
+        paused = conn.execute("SELECT clock_timestamp()").fetchone()
         await wait_until_async(lambda: tracker.running["api"] == 0, timeout=30)
         await asyncio.sleep(0.3)  # long enough for any claim after the pause to have run
         assert tracker.running["api"] == 0
