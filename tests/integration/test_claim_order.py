@@ -220,12 +220,12 @@ def test_delayed_jobs_of_higher_priority_cost_a_claim_almost_nothing(conn: Conn)
     conn.execute("VACUUM ANALYZE pgqueue_jobs")
     # A bound in the middle of the due jobs' highest priority: the claims after it take the
     # rest of priority 1 in order.
-    found = conn.execute(
+    row = conn.execute(
         "SELECT priority, run_at::text, id FROM pgqueue_jobs WHERE priority = 1"
         " ORDER BY run_at, id OFFSET 5000 LIMIT 1"
     ).fetchone()
-    assert found is not None
-    bound = dict(zip(("after_priority", "after_run_at", "after_id"), found, strict=True))
+    assert row is not None
+    bound = dict(zip(("after_priority", "after_run_at", "after_id"), row, strict=True))
     claims: dict[str, tuple[bytes, list[str] | None, dict[str, Any]]] = {
         "claim_jobs_by_priority": (q.claim_jobs_by_priority, None, {}),
         "in_queues, one queue": (q.claim_jobs_by_priority_in_queues, ["a"], {}),
