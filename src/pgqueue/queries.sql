@@ -1302,7 +1302,8 @@ JOIN {schema}.pgqueue_jobs j ON j.id = a.id AND j.lease_token = a.token
 -- Shutdown: give back jobs this worker will not finish, without counting the attempt, so other
 -- workers can take them at once (the worker then wakes waiting workers: wake_waiting_workers).
 -- Fenced like every other write; rows locked by someone else right now are skipped, not waited
--- for: they stay this worker's until it deregisters, and then any reaper takes them.
+-- for (usually another worker's claim that passed the row: locked for milliseconds): the worker
+-- tries those again for a moment (RELEASE_RETRY), and leaves one still locked to the reapers.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
     attempts = greatest(j.attempts - 1, 0), run_at = now(),

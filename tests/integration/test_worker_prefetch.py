@@ -134,6 +134,44 @@ async def test_prefetched_jobs_are_released_on_shutdown(app: pgqueue.App, conn: 
     assert not set(waiting) & {n + 1 for n in started}  # ids are 1-based; none of them ran
 
 
+@pytest.mark.usefixtures("prefetch_learned_over_a_second")
+async def test_a_job_locked_for_a_moment_at_shutdown_is_released_too(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Found by the fault suite under load: another worker's claim can hold a row lock on a job
+    this worker has just claimed (a claim that began before ours committed locks the row's
+    newest version, finds it running and leaves it, locked until its transaction ends), and the
+    release at shutdown skipped it. The worker then deregistered with that job still running
+    under its lease, for a reaper to take back as an expired attempt. The release now tries
+    again for the rows still its own."""
+    release = asyncio.Event()
+    started: list[int] = []
+    await _worker_with_prefetched_jobs(app, release, started)
+    with psycopg.connect(conn.info.dsn, autocommit=True) as locker:
+        async with running_worker(app, concurrency=1, prefetch=4, grace_period=0.2, **FAST) as w:
+            waiting = await _prefetched(w, started)
+            assert len(waiting) >= 2
+            locked = min(waiting)
+            locker.execute("BEGIN")
+            locker.execute("SELECT FROM pgqueue_jobs WHERE id = %s FOR UPDATE", (locked,))
+            state = w.state
+            assert state is not None
+
+            async def unlock_after_the_first_release() -> None:
+                # The lock outlives the worker's first release (which gives back the others)
+                # and ends a moment later, as a claim's does.
+                await wait_until_async(lambda: state.counters.released > 0, timeout=30)
+                await asyncio.to_thread(locker.execute, "COMMIT")
+
+            unlocking = asyncio.create_task(unlock_after_the_first_release())
+        await unlocking
+    rows = conn.execute(
+        "SELECT id, status::text, attempts FROM pgqueue_jobs WHERE id = ANY(%s) ORDER BY id",
+        (waiting,),
+    ).fetchall()
+    assert rows == [(i, "queued", 0) for i in sorted(waiting)]
+
+
 async def test_pruning_keeps_up_with_a_busy_queue(dsn: str, conn: Conn) -> None:
     total = PRUNE_BATCH * 2 + 500
     conn.execute(

@@ -73,6 +73,13 @@ ANNOUNCE_CHUNK = 400
 #: it cancels them, and what it waits at most for cancelled tasks to end (see _end_tasks).
 BACKGROUND_WAIT = 1.0
 CANCEL_WAIT = 2.0
+#: How long a stopping worker keeps trying to give back jobs whose rows someone else had locked
+#: (release_leases skips those), and its first pause between tries (doubled each time). Such a
+#: lock is usually another worker's claim, which locks a just-claimed row it then leaves alone
+#: until its transaction ends, milliseconds later; a row still locked after this is left to
+#: the reapers as an expired lease.
+RELEASE_RETRY = 2.0
+RELEASE_PAUSE = 0.01
 
 #: The default prefetch's floor. The buffer is the last 50 ms of completions at most, so this
 #: only matters for short jobs: with the concurrency as the only cap, no-op jobs drained at
@@ -706,6 +713,10 @@ class Worker:
         )
 
     async def _release_unfinished(self, pool: WorkerPool) -> None:
+        """Give back the jobs this worker will not finish. Rows someone else locks right now
+        are skipped by release_leases (it never waits on a row lock), so those still ours are
+        tried again for up to RELEASE_RETRY: deregistered with a job still running under its
+        lease, the worker would leave it to a reaper, its attempt counted."""
         assert self.state is not None
         unfinished = sorted(
             (h for h in self.state.held.values() if h.phase in (Phase.RUNNING, Phase.PREFETCHED)),
@@ -713,22 +724,42 @@ class Worker:
         )
         if not unfinished:
             return
+        left = [(h.job.id, h.job.lease_token) for h in unfinished]
+        deadline = time.monotonic() + RELEASE_RETRY
+        pause = RELEASE_PAUSE
         try:
             async with pool.connection() as conn:
-                cur = await conn.execute(
-                    self.app.q.release_leases,
-                    {
-                        "ids": [h.job.id for h in unfinished],
-                        "tokens": [h.job.lease_token for h in unfinished],
-                    },
+                while left:
+                    ids, tokens = [i for i, _ in left], [t for _, t in left]
+                    cur = await conn.execute(
+                        self.app.q.release_leases, {"ids": ids, "tokens": tokens}
+                    )
+                    released = await cur.fetchall()
+                    if released:
+                        await self._wake_now(conn, [str(row[1]) for row in released])
+                        self.state.counters.released += len(released)
+                        log.info("released %d unfinished jobs for other workers", len(released))
+                    gone = {int(row[0]) for row in released}
+                    left = [(i, t) for i, t in left if i not in gone]
+                    if not left:
+                        break
+                    # Those still ours and running were locked by someone else: again shortly.
+                    cur = await conn.execute(
+                        self.app.q.applied_completions,
+                        {"ids": [i for i, _ in left], "tokens": [t for _, t in left]},
+                    )
+                    ours = {int(row[0]) for row in await cur.fetchall() if row[1]}
+                    left = [(i, t) for i, t in left if i in ours]
+                    if not left or time.monotonic() + pause > deadline:
+                        break
+                    await asyncio.sleep(pause)
+                    pause *= 2
+            if left:
+                log.warning(
+                    "could not release %d jobs locked by someone else; they will expire", len(left)
                 )
-                released = await cur.fetchall()
-                if released:
-                    await self._wake_now(conn, [str(row[1]) for row in released])
-            self.state.counters.released += len(released)
-            log.info("released %d unfinished jobs for other workers", len(released))
         except TRANSIENT as exc:
-            log.warning("could not release %d leases (%s); they will expire", len(unfinished), exc)
+            log.warning("could not release %d leases (%s); they will expire", len(left), exc)
 
     # --- waking other workers -------------------------------------------------------------
 
