@@ -519,14 +519,19 @@ UPDATE ceiling_jobs SET status = 2 WHERE token = :token AND status = 1;
 CEILING_DRAIN_FILL = 80_000
 
 
+def find_pgbench() -> str | None:
+    """pgbench of the server's own installation (beside initdb), else from PATH."""
+    bindir = find_bindir()
+    if bindir is not None and (bindir / "pgbench").exists():
+        return str(bindir / "pgbench")
+    return shutil.which("pgbench")
+
+
 def ceiling(ctx: Context, clients: int, seconds: int, batch: int) -> dict[str, float] | None:
     """The database's own rate for the same row work, by pgbench (None if pgbench is missing):
     the whole life cycle (insert, claim, ack), and the drain alone of pre-filled rows, which is
     what the processing workloads are compared with."""
-    pgbench = shutil.which("pgbench")
-    bindir = find_bindir()
-    if bindir is not None and (bindir / "pgbench").exists():
-        pgbench = str(bindir / "pgbench")
+    pgbench = find_pgbench()
     if pgbench is None:
         return None
     rates = []
