@@ -36,9 +36,9 @@ import pgqueue
 from pgqueue.bench.adapter import KEYED_TASK, declare_keyed
 from pgqueue.bench.processes import Databases
 from pgqueue.embedded import EmbeddedPostgres
-from pgqueue.limits import group_name
 from pgqueue.sql import queries
 from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS
+from tests.helpers import limited_claim_params, limited_walk_params
 
 JOBS = 30_000
 FILL = 5_000
@@ -146,17 +146,13 @@ def _claim(conn: psycopg.Connection[Any], variant: str, worker: uuid.UUID) -> in
     if variant == "walk":
         conn.execute(q.begin_limited_claim)
         conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
-        walk = {"schema": "public", "queues": None, "tasks": [KEYED_TASK], "after_task": "",
-                "after_key": str(random.randrange(1000)), "scan": WALKED}  # fmt: skip
+        walk = {
+            **limited_walk_params([KEYED_TASK], WALKED),
+            "after_key": str(random.randrange(1000)),
+        }
         locks = conn.execute(q.lock_limit_groups, walk).fetchall()
-        groups = [(str(t), str(k)) for kind, t, k, _, locked, _ in locks if kind == "g" and locked]
-        rows = conn.execute(
-            q.claim_limited_jobs,
-            {"worker_id": worker, "token": token, "limit": WANT, "queues": None,
-             "tasks": [KEYED_TASK], "g_tasks": [t for t, _ in groups],
-             "g_keys": [k for _, k in groups],
-             "g_names": [group_name(t, k) for t, k in groups], "lq": [], "blocked": []},
-        ).fetchall()  # fmt: skip
+        params = limited_claim_params(worker, [KEYED_TASK], locks, WANT)
+        rows = conn.execute(q.claim_limited_jobs, params).fetchall()
     elif variant == "turn":
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('pgqueue bench: keyed task'))")
         params = {"scan": 3 * (HELD + WANT), "limit": WANT, "token": token, "worker_id": worker}
