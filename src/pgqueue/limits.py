@@ -10,9 +10,12 @@ enforces them is ``claim_limited_jobs`` (queries.sql), run by the fetcher.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,12 +26,24 @@ import psycopg
 from .errors import ConfigurationError, InvalidJobError
 from .sql import Queries
 
+log = logging.getLogger("pgqueue.limits")
+
 #: A group key computed from a job's arguments (``limit_key=lambda args: args["tenant"]``).
 LimitKey = Callable[[Mapping[str, Any]], object]
 #: ``"100/m"``, ``"5/s"``, ``"1000/h"``, ``"10/5m"``, or (count, seconds).
 RateSpec = str | tuple[int, float | timedelta]
 
 MAX_KEY_LENGTH = 1000
+#: A pass that gives a newly limited task's waiting jobs their group skips rows locked at that
+#: moment (stamp_limit_keys) and tries those that still wait again, STAMP_PAUSE apart at first
+#: (doubling), for up to STAMP_RETRY seconds; one left without a group would run unlimited.
+STAMP_RETRY = 30.0
+STAMP_PAUSE = 0.01
+#: The operator's change (set_task) waits this long at most for the transactions that were
+#: enqueueing when it committed (snapshot_horizon) before it looks for their jobs.
+SET_WAIT = 5.0
+#: Job id -> the limit group to write on it.
+Groups = dict[int, str]
 _UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
           "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}  # fmt: skip
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([a-z]+)\s*$")
@@ -188,25 +203,72 @@ async def horizon_passed(conn: psycopg.AsyncConnection[Any], q: Queries, horizon
 
 async def stamp_waiting(
     conn: psycopg.AsyncConnection[Any], q: Queries, task: str, limits: TaskLimits | None
-) -> int:
-    """Give the task's waiting jobs without a group their group (a batch per round trip)."""
-    after, stamped = 0, 0
+) -> tuple[int, Groups]:
+    """Give the task's waiting jobs without a group their group (a batch per round trip).
+    Returns how many got one, and the jobs a lock kept from it that still wait (stamp_again)."""
+    after, stamped, skipped = 0, 0, Groups()
     while True:
         cur = await conn.execute(q.unstamped_jobs, {"after": after, "task": task})
         rows = await cur.fetchall()
         if not rows:
-            return stamped
-        ids, keys = [], []
+            return stamped, skipped
+        groups: Groups = {}
         for job_id, args in rows:
             try:
-                key = "" if limits is None else limits.group(task, json.loads(args))
+                groups[job_id] = "" if limits is None else limits.group(task, json.loads(args))
             except InvalidJobError:
-                key = ""  # a job the key cannot be computed for shares the task's '' group
-            ids.append(job_id)
-            keys.append(key)
-        cur = await conn.execute(q.stamp_limit_keys, {"ids": ids, "keys": keys})
-        stamped += cur.rowcount
-        after = ids[-1]
+                groups[job_id] = ""  # a job the key cannot be computed for shares the '' group
+        done, left = await stamp_again(conn, q, groups)
+        stamped += done
+        skipped.update(left)
+        after = rows[-1][0]
+
+
+async def stamp_again(
+    conn: psycopg.AsyncConnection[Any], q: Queries, groups: Groups
+) -> tuple[int, Groups]:
+    """One try at these jobs' groups: how many got theirs, and those still skipped."""
+    cur = await conn.execute(q.stamp_limit_keys, _stamp_params(groups))
+    done = {row[0] for row in await cur.fetchall()}
+    if len(done) == len(groups):
+        return len(done), {}
+    cur = await conn.execute(q.unstamped_among, {"ids": [i for i in groups if i not in done]})
+    return len(done), {row[0]: groups[row[0]] for row in await cur.fetchall()}
+
+
+def _stamp_params(groups: Groups) -> dict[str, Any]:
+    return {"ids": list(groups), "keys": list(groups.values())}
+
+
+def _stamp_task(conn: psycopg.Connection[Any], q: Queries, name: str) -> Groups:
+    """stamp_waiting and stamp_again for an operator's limit (the group '': the whole task),
+    on a sync connection; returns the jobs still skipped."""
+    after, skipped = 0, Groups()
+    while rows := conn.execute(q.unstamped_jobs, {"after": after, "task": name}).fetchall():
+        skipped.update(_stamp_again_sync(conn, q, dict.fromkeys((r[0] for r in rows), "")))
+        after = rows[-1][0]
+    return skipped
+
+
+def _stamp_again_sync(conn: psycopg.Connection[Any], q: Queries, groups: Groups) -> Groups:
+    done = {row[0] for row in conn.execute(q.stamp_limit_keys, _stamp_params(groups))}
+    if len(done) == len(groups):
+        return {}
+    rows = conn.execute(q.unstamped_among, {"ids": [i for i in groups if i not in done]})
+    return {row[0]: groups[row[0]] for row in rows}
+
+
+def next_pause(pause: float) -> float:
+    """The pause before the next try at skipped jobs: doubling, at most a second."""
+    return min(pause * 2, 1.0)
+
+
+def left_ungrouped(task: str, jobs: int) -> None:
+    log.warning(
+        "task %r: %d waiting jobs stayed locked and have no limit group; they may run outside "
+        "the limit",
+        task, jobs,
+    )  # fmt: skip
 
 
 def _count(rate: Rate | None) -> int | None:
@@ -257,18 +319,34 @@ def set_task(
     conn: psycopg.Connection[Any], q: Queries, name: str, settings: dict[str, Any]
 ) -> None:
     """An operator's limit and/or rate for a task, kept over the code's until reset. A task
-    limited here for the first time gets its waiting jobs grouped ('': the whole task)."""
+    limited here for the first time gets its waiting jobs grouped ('': the whole task): now,
+    and again once the transactions that were enqueueing at the change have ended (a statement
+    that read pgqueue_tasks before it wrote a job without a group)."""
     row = conn.execute(q.set_task_limits, {"name": name, **settings}).fetchone()
     if row is not None and row[1]:
-        after = 0
-        while rows := conn.execute(q.unstamped_jobs, {"after": after, "task": name}).fetchall():
-            ids = [r[0] for r in rows]
-            conn.execute(q.stamp_limit_keys, {"ids": ids, "keys": [""] * len(ids)})
-            after = ids[-1]
+        horizon = conn.execute(q.snapshot_horizon).fetchone()
+        assert horizon is not None
+        _stamp_task(conn, q, name)
+        deadline, pause = time.monotonic() + SET_WAIT, STAMP_PAUSE
+        while not _passed(conn, q, horizon[0]) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = next_pause(pause)
+        skipped = _stamp_task(conn, q, name)
+        while skipped and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = next_pause(pause)
+            skipped = _stamp_again_sync(conn, q, skipped)
+        if skipped:
+            left_ungrouped(name, len(skipped))
     # The task's jobs may wait in any queue: wake every worker that waits (a worker that serves
     # every queue takes any queue's name as its own).
     queues = [str(row[0]) for row in conn.execute(q.served_queues).fetchall()]
     conn.execute(q.wake_waiting_workers, {"queues": queues})
+
+
+def _passed(conn: psycopg.Connection[Any], q: Queries, horizon: object) -> bool:
+    row = conn.execute(q.horizon_passed, {"horizon": horizon}).fetchone()
+    return bool(row and row[0])
 
 
 async def set_queue_async(
@@ -284,7 +362,19 @@ async def set_task_async(
     cur = await conn.execute(q.set_task_limits, {"name": name, **settings})
     row = await cur.fetchone()
     if row is not None and row[1]:
+        horizon = await snapshot_horizon(conn, q)
         await stamp_waiting(conn, q, name, None)
+        deadline, pause = time.monotonic() + SET_WAIT, STAMP_PAUSE
+        while not await horizon_passed(conn, q, horizon) and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = next_pause(pause)
+        _, skipped = await stamp_waiting(conn, q, name, None)
+        while skipped and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = next_pause(pause)
+            _, skipped = await stamp_again(conn, q, skipped)
+        if skipped:
+            left_ungrouped(name, len(skipped))
     cur = await conn.execute(q.served_queues)
     queues = [str(r[0]) for r in await cur.fetchall()]
     await conn.execute(q.wake_waiting_workers, {"queues": queues})

@@ -522,14 +522,24 @@ WHERE id > %(after)s AND task = %(task)s AND status IN ('queued', 'retrying')
 ORDER BY id LIMIT 1000
 
 -- name: stamp_limit_keys
--- Gives those jobs their group. Rows a claim holds right now are skipped (SKIP LOCKED): such a
--- job is being claimed by the plain claim, which is what happened before the limit existed.
+-- Gives those jobs their group. Rows locked right now are skipped (SKIP LOCKED), so the pass
+-- never waits: a job being claimed by the plain claim runs as it would have before the limit
+-- existed. But a row can be locked while it stays waiting (a bulk action or a debounce in a
+-- producer's transaction, or a claim that passed the row and keeps its lock until it ends), so
+-- the caller asks which skipped rows still wait without a group (unstamped_among) and tries
+-- those again (limits.STAMP_RETRY).
 UPDATE {schema}.pgqueue_jobs j SET limit_key = s.key
 FROM unnest(%(ids)s::bigint[], %(keys)s::text[]) AS s(id, key)
 WHERE j.id = s.id AND j.status IN ('queued', 'retrying') AND j.limit_key IS NULL
   AND j.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l
                        WHERE l.id = ANY(%(ids)s::bigint[]) ORDER BY l.id
                        FOR UPDATE SKIP LOCKED))
+RETURNING j.id
+
+-- name: unstamped_among
+-- Which of these jobs still wait without a limit group (stamp_limit_keys skipped them).
+SELECT id FROM {schema}.pgqueue_jobs
+WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('queued', 'retrying') AND limit_key IS NULL
 
 -- name: claim_jobs
 -- One statement claims a batch: due jobs in the order priority DESC, run_at, id. The inner SELECT

@@ -177,6 +177,7 @@ class Queries:
     horizon_passed: bytes
     unstamped_jobs: bytes
     stamp_limit_keys: bytes
+    unstamped_among: bytes
     claim_jobs: bytes
     claim_jobs_in_queues: bytes
     claim_jobs_by_priority: bytes

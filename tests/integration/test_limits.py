@@ -20,6 +20,7 @@ import psycopg
 import pytest
 
 import pgqueue
+from pgqueue import limits
 from pgqueue.errors import ConfigurationError, InvalidJobError
 from pgqueue.limits import Rate, parse_rate
 from pgqueue.sql import queries
@@ -560,6 +561,70 @@ async def test_a_job_enqueued_while_a_worker_declares_its_limit_still_gets_its_g
                 )
     finally:
         producer.close()
+
+
+def groups_of(conn: Conn) -> dict[int, str | None]:
+    return {int(r[0]): r[1] for r in conn.execute("SELECT id, limit_key FROM pgqueue_jobs")}
+
+
+async def test_a_waiting_job_locked_through_both_passes_of_a_declaration_still_gets_its_group(
+    app: pgqueue.App, dsn: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The passes that give a newly limited task's waiting jobs their group skip rows locked at
+    that moment (they never wait). A row can be locked while its job stays waiting (a debounce
+    or a bulk action in another transaction, a claim that passed it): here one lock from before
+    the declaration holds the row through the first pass, and one taken after it (which the
+    second pass does not wait for) through the second. The job must still get its group."""
+    app.enqueue_many([("later", {"tenant": t}) for t in "abc"], allow_unknown=True)
+    first, locked, last = sorted(groups_of(conn))
+    passes: list[int] = []
+    stamp_waiting = limits.stamp_waiting
+
+    async def counted(*args: Any) -> Any:
+        try:
+            return await stamp_waiting(*args)
+        finally:
+            passes.append(len(passes) + 1)
+
+    monkeypatch.setattr(limits, "stamp_waiting", counted)
+    declared = pgqueue.App(dsn)
+
+    @declared.task(name="later", limit=1, limit_key=lambda args: args["tenant"])
+    async def later(tenant: str) -> None: ...
+
+    lock = "SELECT id FROM pgqueue_jobs WHERE id = %s FOR SHARE"
+    try:
+        with psycopg.connect(dsn) as before, psycopg.connect(dsn) as after:
+            before.execute(lock, (locked,))
+            # Serving another queue: its claims leave the jobs alone, whatever their group.
+            async with running_worker(declared, queues=["elsewhere"], **FAST):
+                await wait_until_async(lambda: passes == [1])
+                assert groups_of(conn) == {first: "a", locked: None, last: "c"}
+                after.execute(lock, (locked,))  # begins after the declaration's horizon
+                before.commit()
+                await wait_until_async(lambda: passes == [1, 2], timeout=20)
+                assert groups_of(conn)[locked] is None
+                after.commit()
+                await wait_until_async(lambda: groups_of(conn)[locked] == "b", timeout=20)
+    finally:
+        declared.close()
+
+
+async def test_an_operator_limit_groups_jobs_locked_while_it_was_set(
+    app: pgqueue.App, dsn: str, conn: Conn
+) -> None:
+    """`pgqueue tasks limit` on a task without a limit groups its waiting jobs; one locked by
+    a transaction open at the change is grouped once that transaction ends."""
+    app.enqueue_many([("remote", {}), ("remote", {})], allow_unknown=True)
+    free, locked = sorted(groups_of(conn))
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT id FROM pgqueue_jobs WHERE id = %s FOR SHARE", (locked,))
+        change = asyncio.create_task(asyncio.to_thread(app.limit_task, "remote", limit=2))
+        await wait_until_async(lambda: groups_of(conn)[free] == "")
+        assert groups_of(conn)[locked] is None
+        holder.commit()
+        await asyncio.wait_for(change, 30)
+    assert groups_of(conn) == {free: "", locked: ""}
 
 
 def most_running_at_claims(conn: Conn, queue: str, since: Any) -> int:

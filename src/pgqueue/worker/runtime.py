@@ -588,7 +588,7 @@ class Worker:
                 return
             horizon = await limits.snapshot_horizon(conn, self.app.q)
             for name in names:
-                stamped = await limits.stamp_waiting(conn, self.app.q, name, declared.get(name))
+                stamped, _ = await limits.stamp_waiting(conn, self.app.q, name, declared.get(name))
                 if stamped:
                     log.info("task %r: %d waiting jobs now count against its limit", name, stamped)
         # A job enqueued by a statement that read pgqueue_tasks before the declaration committed
@@ -607,23 +607,42 @@ class Worker:
         horizon: str,
         tasks: dict[str, limits.TaskLimits | None],
     ) -> None:
+        """The second pass, once the horizon has passed. Jobs it finds locked (see
+        stamp_limit_keys) are tried again for up to STAMP_RETRY: their lock may have been
+        taken after the horizon, so no later pass would look for them."""
         delay = 0.05
+        skipped: dict[str, limits.Groups] = {}
         try:
             while True:
                 async with pool.connection() as conn:
                     if await limits.horizon_passed(conn, self.app.q, horizon):
                         for name, declared in tasks.items():
-                            stamped = await limits.stamp_waiting(conn, self.app.q, name, declared)
+                            stamped, skipped[name] = await limits.stamp_waiting(
+                                conn, self.app.q, name, declared
+                            )
                             if stamped:
                                 log.info(
                                     "task %r: %d jobs enqueued during its declaration now count"
                                     " against its limit", name, stamped,
                                 )  # fmt: skip
-                        return
+                        break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.poll_interval)
-        except Exception as exc:  # a lost connection: the next start of a worker stamps them
-            log.warning("could not give late jobs their limit group: %s", exc)
+            deadline, pause = time.monotonic() + limits.STAMP_RETRY, limits.STAMP_PAUSE
+            while any(skipped.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(pause)
+                pause = limits.next_pause(pause)
+                async with pool.connection() as conn:
+                    for name, groups in skipped.items():
+                        if groups:
+                            _, skipped[name] = await limits.stamp_again(conn, self.app.q, groups)
+            for name, groups in skipped.items():
+                if groups:
+                    limits.left_ungrouped(name, len(groups))
+        except Exception as exc:  # a lost connection: nothing later looks for such jobs
+            log.warning(
+                "could not give late jobs their limit group (they may run outside it): %s", exc
+            )
 
     async def _deregister(self, pool: WorkerPool) -> None:
         try:
