@@ -46,6 +46,10 @@ def test_bench_runs_and_prints_json(pg_server: Server, tmp_path: Path) -> None:
         "pgqueue-unique",
     }
     assert medians["enqueue_bulk"]["pgqueue-unique"]["rate"] > 0
+    # One job per call: each call's latency too (issue 23: p50 no worse than PgQueuer's).
+    single = medians["enqueue_4"]["pgqueue"]
+    assert 0 < single["p50"] <= single["p99"]
+    assert "p50" not in medians["enqueue_bulk"]["pgqueue"]
     latency = medians["latency_notify"]["pgqueue"]
     assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
     assert report["postgresql"]["fsync"] == "on"

@@ -106,20 +106,36 @@ async def _stdin_line() -> str:
 
 
 async def _enqueue(adapter: Adapter, args: argparse.Namespace) -> None:
+    """Jobs/s; with one job per call also each call's latency (from the call to its commit
+    returned), as p50 and p99 in ms."""
     per_producer = args.jobs // args.producers
+    calls: list[float] = []
 
     async def producer(index: int) -> None:
         first = index * per_producer
         if args.batch == 1:
+            clock = time.perf_counter
             for seq in range(first, first + per_producer):
+                began = clock()
                 await adapter.enqueue_one(seq)
+                calls.append(clock() - began)
             return
         for start in range(first, first + per_producer, args.batch):
             await adapter.enqueue_many(range(start, min(start + args.batch, first + per_producer)))
 
     started = time.perf_counter()
     await asyncio.gather(*(producer(i) for i in range(args.producers)))
-    emit(seconds=time.perf_counter() - started, jobs=per_producer * args.producers)
+    seconds = time.perf_counter() - started
+    if not calls:
+        emit(seconds=seconds, jobs=per_producer * args.producers)
+        return
+    calls.sort()
+    emit(
+        seconds=seconds,
+        jobs=per_producer * args.producers,
+        p50_ms=calls[len(calls) // 2] * 1000,
+        p99_ms=calls[min(int(len(calls) * 0.99), len(calls) - 1)] * 1000,
+    )
 
 
 async def _produce(adapter: Adapter, args: argparse.Namespace) -> None:

@@ -63,6 +63,8 @@ class Workload:
 
 
 RATE = [Metric("rate", "jobs/s", "{:,.0f}", HIGHER)]
+#: One job per call: the rate and each call's latency (call to commit returned).
+SINGLE = [*RATE, *(Metric(p, f"call {p} ms", "{:.3f}", LOWER) for p in ("p50", "p99"))]
 CPU = [
     Metric("worker_cpu_per_1k", "worker CPU s / 1k jobs", "{:.3f}", LOWER),
     Metric("pg_cpu_per_1k", "PostgreSQL CPU s / 1k jobs", "{:.3f}", LOWER),
@@ -175,9 +177,9 @@ class Plan:
         p = self
         w = workloads
         items = [
-            Workload("enqueue_1", "enqueue, 1 job per transaction, 1 producer", RATE,
+            Workload("enqueue_1", "enqueue, 1 job per transaction, 1 producer", SINGLE,
                      lambda c, s: w.enqueue(c, s, p.single_jobs, 1, 1)),
-            Workload("enqueue_4", "enqueue, 1 job per transaction, 4 producers", RATE,
+            Workload("enqueue_4", "enqueue, 1 job per transaction, 4 producers", SINGLE,
                      lambda c, s: w.enqueue(c, s, p.single_jobs, 4, 1)),
             Workload("enqueue_bulk", "enqueue, bulk (5,000 per call)", RATE,
                      lambda c, s: w.enqueue(c, s, p.bulk_jobs, 1, workloads.FILL_BATCH)),

@@ -65,7 +65,8 @@ def _vacuum(dsn: str) -> None:
 async def enqueue(
     ctx: Context, system: System, jobs: int, producers: int, batch: int
 ) -> dict[str, float]:
-    """Jobs/s of ``producers`` concurrent producers, ``batch`` jobs per transaction."""
+    """Jobs/s of ``producers`` concurrent producers, ``batch`` jobs per transaction; with one
+    job per transaction also the calls' latency (p50 and p99, ms)."""
     jobs = _scaled(system, jobs) if batch == 1 else jobs
     with ctx.databases.fresh() as dsn:
         await _install(ctx, system, dsn)
@@ -74,7 +75,11 @@ async def enqueue(
             for statement in system.session:
                 session.execute(statement.encode())
             result = await run_role(system, "enqueue", dsn, args, ctx.logdir)
-    return {"rate": float(result["jobs"]) / float(result["seconds"])}
+    figures = {"rate": float(result["jobs"]) / float(result["seconds"])}
+    for key in ("p50", "p99"):
+        if f"{key}_ms" in result:
+            figures[key] = float(result[f"{key}_ms"])
+    return figures
 
 
 async def _start_workers(
