@@ -610,8 +610,9 @@ async def test_a_waiting_job_locked_through_both_passes_of_a_declaration_still_g
         declared.close()
 
 
+@pytest.mark.parametrize("call", ["sync", "async"])
 async def test_an_operator_limit_groups_jobs_locked_while_it_was_set(
-    app: pgqueue.App, dsn: str, conn: Conn
+    app: pgqueue.App, dsn: str, conn: Conn, call: str
 ) -> None:
     """`pgqueue tasks limit` on a task without a limit groups its waiting jobs; one locked by
     a transaction open at the change is grouped once that transaction ends."""
@@ -619,7 +620,11 @@ async def test_an_operator_limit_groups_jobs_locked_while_it_was_set(
     free, locked = sorted(groups_of(conn))
     with psycopg.connect(dsn) as holder:
         holder.execute("SELECT id FROM pgqueue_jobs WHERE id = %s FOR SHARE", (locked,))
-        change = asyncio.create_task(asyncio.to_thread(app.limit_task, "remote", limit=2))
+        change = asyncio.create_task(
+            asyncio.to_thread(app.limit_task, "remote", limit=2)
+            if call == "sync"
+            else app.limit_task_async("remote", limit=2)
+        )
         await wait_until_async(lambda: groups_of(conn)[free] == "")
         assert groups_of(conn)[locked] is None
         holder.commit()
