@@ -17,6 +17,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -258,12 +259,33 @@ def _stamp_again_sync(conn: psycopg.Connection[Any], q: Queries, groups: Groups)
     return {row[0]: groups[row[0]] for row in rows}
 
 
-def next_pause(pause: float) -> float:
+async def stamp_skipped(
+    connection: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+    q: Queries,
+    skipped: dict[str, Groups],
+    deadline: float,
+    pause: float = STAMP_PAUSE,
+) -> None:
+    """Try the skipped jobs of each task again (stamp_again), ``pause`` apart at first, until
+    none is left or the ``time.monotonic()`` deadline; warn of those still left."""
+    while any(skipped.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(pause)
+        pause = _next_pause(pause)
+        async with connection() as conn:
+            for name, groups in skipped.items():
+                if groups:
+                    _, skipped[name] = await stamp_again(conn, q, groups)
+    for name, groups in skipped.items():
+        if groups:
+            _left_ungrouped(name, len(groups))
+
+
+def _next_pause(pause: float) -> float:
     """The pause before the next try at skipped jobs: doubling, at most a second."""
     return min(pause * 2, 1.0)
 
 
-def left_ungrouped(task: str, jobs: int) -> None:
+def _left_ungrouped(task: str, jobs: int) -> None:
     log.warning(
         "task %r: %d waiting jobs stayed locked and have no limit group; they may run outside "
         "the limit",
@@ -330,14 +352,14 @@ def set_task(
         deadline, pause = time.monotonic() + SET_WAIT, STAMP_PAUSE
         while not _passed(conn, q, horizon[0]) and time.monotonic() < deadline:
             time.sleep(pause)
-            pause = next_pause(pause)
+            pause = _next_pause(pause)
         skipped = _stamp_task(conn, q, name)
         while skipped and time.monotonic() < deadline:
             time.sleep(pause)
-            pause = next_pause(pause)
+            pause = _next_pause(pause)
             skipped = _stamp_again_sync(conn, q, skipped)
         if skipped:
-            left_ungrouped(name, len(skipped))
+            _left_ungrouped(name, len(skipped))
     # The task's jobs may wait in any queue: wake every worker that waits (a worker that serves
     # every queue takes any queue's name as its own).
     queues = [str(row[0]) for row in conn.execute(q.served_queues).fetchall()]
@@ -367,14 +389,9 @@ async def set_task_async(
         deadline, pause = time.monotonic() + SET_WAIT, STAMP_PAUSE
         while not await horizon_passed(conn, q, horizon) and time.monotonic() < deadline:
             await asyncio.sleep(pause)
-            pause = next_pause(pause)
+            pause = _next_pause(pause)
         _, skipped = await stamp_waiting(conn, q, name, None)
-        while skipped and time.monotonic() < deadline:
-            await asyncio.sleep(pause)
-            pause = next_pause(pause)
-            _, skipped = await stamp_again(conn, q, skipped)
-        if skipped:
-            left_ungrouped(name, len(skipped))
+        await stamp_skipped(lambda: nullcontext(conn), q, {name: skipped}, deadline, pause)
     cur = await conn.execute(q.served_queues)
     queues = [str(r[0]) for r in await cur.fetchall()]
     await conn.execute(q.wake_waiting_workers, {"queues": queues})

@@ -628,17 +628,8 @@ class Worker:
                         break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.poll_interval)
-            deadline, pause = time.monotonic() + limits.STAMP_RETRY, limits.STAMP_PAUSE
-            while any(skipped.values()) and time.monotonic() < deadline:
-                await asyncio.sleep(pause)
-                pause = limits.next_pause(pause)
-                async with pool.connection() as conn:
-                    for name, groups in skipped.items():
-                        if groups:
-                            _, skipped[name] = await limits.stamp_again(conn, self.app.q, groups)
-            for name, groups in skipped.items():
-                if groups:
-                    limits.left_ungrouped(name, len(groups))
+            deadline = time.monotonic() + limits.STAMP_RETRY
+            await limits.stamp_skipped(pool.connection, self.app.q, skipped, deadline)
         except Exception as exc:  # a lost connection: nothing later looks for such jobs
             log.warning(
                 "could not give late jobs their limit group (they may run outside it): %s", exc
