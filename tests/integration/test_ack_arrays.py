@@ -1,4 +1,5 @@
-"""The completer's hand-packed binary arrays read back in PostgreSQL as the values packed."""
+"""The worker's hand-packed binary arrays (the completer's acks, the limited claim's groups)
+read back in PostgreSQL as the values packed."""
 
 from __future__ import annotations
 
@@ -48,6 +49,23 @@ async def test_uuid_status_and_null_texts(aconn: psycopg.AsyncConnection[Any]) -
     mixed = [None, "ValueError: ü ✓", None]  # not all NULL: left to psycopg, which encodes it
     assert arrays.texts(mixed) is mixed
     assert await back(aconn, arrays.texts(mixed), "text[]") == mixed
+
+
+@pytest.mark.parametrize(
+    "values", [["billing"], ["tenant-ü ✓", "", 'a\tb\\c"d,{e}', "NULL", "🚀" * 40], []], ids=repr
+)
+async def test_utf8_texts(aconn: psycopg.AsyncConnection[Any], values: list[str]) -> None:
+    packed = arrays.utf8_texts(aconn, values)
+    assert isinstance(packed, arrays.Packed)
+    assert await back(aconn, packed, "text[]") == values
+
+
+async def test_utf8_texts_left_to_psycopg_on_another_encoding(dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, client_encoding="LATIN1") as conn:
+        arrays.register(conn)
+        values = ["tenant-ü", "b"]
+        assert arrays.utf8_texts(conn, values) is values
+        assert await back(conn, arrays.utf8_texts(conn, values), "text[]") == values
 
 
 async def test_packed_and_plain_ack_parameters_say_the_same(

@@ -117,9 +117,10 @@ async def test_a_per_key_limit_runs_one_job_per_key_and_keys_in_parallel(
     async def sync_tenant(tenant: str, n: int) -> None:
         await tracker.hold(tenant, n, 0.05)
 
-    app.enqueue_many(
-        [("sync_tenant", {"tenant": t, "n": n}) for n in range(6) for t in ("a", "b", "c", "d")]
-    )
+    # Keys beyond ASCII and with an array literal's special characters: the claim sends them
+    # to the database packed (worker/arrays.py).
+    tenants = ("a", "b", "tenant-ü ✓", 'd,"{x}"\\')
+    app.enqueue_many([("sync_tenant", {"tenant": t, "n": n}) for n in range(6) for t in tenants])
     async with running_worker(app, concurrency=8, **FAST):
         await wait_until_async(lambda: len(tracker.done) == 24, timeout=60)
     assert set(tracker.peak.values()) == {1}
