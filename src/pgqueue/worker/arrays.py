@@ -8,8 +8,8 @@ pool connection it writes with; a handler's own connection never learns it). Tex
 only when they are all NULL (errors and results of a batch of plain successes) or are our own
 ASCII statuses: any other text goes through psycopg, which encodes it in the connection's
 client encoding, except the limited claim's group names and keys (``utf8_texts``), read from
-the database a moment before, packed when the connection speaks UTF-8 (psycopg's text dump of
-them was ~3 us of the worker's CPU a job under a per-key limit).
+the database a moment before, packed when the connection speaks UTF-8 (psycopg's text dump
+looks at every element with a regular expression, for quoting).
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ class Fetcher:
     def hand_off_params(self, ids: list[int], tokens: list[UUID]) -> dict[str, Any]:
         """hand_off_queue_slots' parameters for these acks (see completer.hand_off). Packed:
         the hand-off travels with the acks, on the completer's connection, which knows the
-        type (psycopg's text dump of the two lists was ~2 us of the worker's CPU a job)."""
+        type."""
         return {
             "ids": arrays.int8_array(ids),
             "tokens": arrays.uuid_array(tokens),
