@@ -1325,6 +1325,23 @@ WHERE j.id = r.id AND j.lease_token = r.token AND j.status::text = 'running'
                        FOR UPDATE SKIP LOCKED))
 RETURNING j.id, j.queue
 
+-- name: regroup_leases
+-- A claim took jobs of a task this worker declares limited that have no limit group: each was
+-- locked through every pass that gives waiting jobs their group (limits.stamp_skipped gave up),
+-- or was claimed before the worker's own pass reached it. They go back waiting with their group
+-- (computed by the worker), attempt uncounted, for the limited claim to take under the limit.
+-- Fenced like release_leases; a row locked right now is skipped, and its job runs here.
+UPDATE {schema}.pgqueue_jobs j
+SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
+    attempts = greatest(j.attempts - 1, 0), limit_key = r.key,
+    lease_token = NULL, lease_expires_at = NULL, worker_id = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(keys)s::text[]) AS r(id, token, key)
+WHERE j.id = r.id AND j.lease_token = r.token AND j.status::text = 'running'
+  AND r.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l
+                       WHERE l.id = ANY(%(ids)s::bigint[]) ORDER BY l.id
+                       FOR UPDATE SKIP LOCKED))
+RETURNING j.id, j.queue
+
 -- name: extend_leases
 -- The heartbeat: one row per worker, whatever it holds. It extends the worker's lease, which
 -- covers every job the worker claimed (a job's own lease_expires_at stays NULL), and re-creates

@@ -203,6 +203,7 @@ class Queries:
     announce_result_wait: bytes
     applied_completions: bytes
     release_leases: bytes
+    regroup_leases: bytes
     extend_leases: bytes
     save_progress: bytes
     untracked_jobs: bytes

@@ -611,6 +611,58 @@ async def test_a_waiting_job_locked_through_both_passes_of_a_declaration_still_g
         declared.close()
 
 
+@pytest.mark.parametrize("per_key", [False, True], ids=["task", "key"])
+async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under_the_limit(
+    app: pgqueue.App, conn: Conn, per_key: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job of a limited task can still wait without its group (a lock kept it out of every
+    stamping pass, or a claim came before the worker's own pass). The plain claim takes jobs
+    without a group: the worker gives such a job back with its group (regroup_leases), attempt
+    uncounted, and it runs under the limit, after the group's running job, not beside it."""
+    release = asyncio.Event()
+    order: list[tuple[str, int]] = []
+    running = peak = 0
+
+    @app.task(limit=1, limit_key=(lambda args: args["tenant"]) if per_key else None)
+    async def sync(tenant: str, n: int) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        order.append(("start", n))
+        try:
+            if n == 0:
+                await release.wait()
+        finally:
+            running -= 1
+            order.append(("end", n))
+
+    def given_back(job_id: int) -> bool:
+        row = conn.execute(
+            "SELECT status::text = 'queued' AND limit_key IS NOT NULL FROM pgqueue_jobs"
+            " WHERE id = %s",
+            (job_id,),
+        ).fetchone()
+        return row is not None and bool(row[0])
+
+    with caplog.at_level("WARNING", logger="pgqueue.worker.fetcher"):
+        async with running_worker(app, concurrency=4, **FAST):
+            sync.enqueue(tenant="a", n=0)
+            await wait_until_async(lambda: ("start", 0) in order, timeout=30)
+            stray = sync.enqueue(tenant="a", n=1)
+            conn.execute("UPDATE pgqueue_jobs SET limit_key = NULL WHERE id = %s", (stray,))
+            # The poll's plain claim takes it: before, it ran at once, beside job 0.
+            await wait_until_async(lambda: ("start", 1) in order or given_back(stray), timeout=30)
+            release.set()
+            await wait_until_async(lambda: ("end", 1) in order, timeout=30)
+    assert peak == 1
+    assert order == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
+    row = conn.execute(
+        "SELECT status::text, limit_key, attempts FROM pgqueue_jobs WHERE id = %s", (stray,)
+    ).fetchone()
+    assert row == ("succeeded", "a" if per_key else "", 1)
+    assert "had no limit group; given back with it" in caplog.text
+
+
 @pytest.mark.parametrize("call", ["sync", "async"])
 async def test_an_operator_limit_groups_jobs_locked_while_it_was_set(
     app: pgqueue.App, dsn: str, conn: Conn, call: str

@@ -108,6 +108,10 @@ def test_ack_heartbeat_and_release_probe_each_job_once(conn: Conn) -> None:
             },
         ),
         "release_leases": (q.release_leases, {"ids": ids, "tokens": tokens}),
+        "regroup_leases": (
+            q.regroup_leases,
+            {"ids": ids, "tokens": tokens, "keys": [""] * len(ids)},
+        ),
     }
     statements["complete_jobs_skip_locked"] = (
         q.complete_jobs_skip_locked, statements["complete_jobs"][1]

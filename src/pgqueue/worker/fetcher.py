@@ -68,7 +68,8 @@ from uuid import UUID, uuid4
 
 import psycopg
 
-from ..limits import group_name
+from ..errors import InvalidJobError
+from ..limits import TaskLimits, group_name
 from ..sql import Queries
 from . import arrays
 from .connections import Connections
@@ -144,6 +145,7 @@ class Fetcher:
         queues: list[str] | None,
         tasks: Mapping[str, object],
         poll_interval: float,
+        declared: Mapping[str, TaskLimits] | None = None,
         start: Callable[[ClaimedJob], None],
         wake: Callable[[list[str]], None] = lambda queues: None,
         schema: str = "pgqueue",
@@ -158,6 +160,9 @@ class Fetcher:
         self.worker_id = worker_id
         self.queues = queues
         self.tasks = tasks
+        #: The limits this worker's tasks declare: a claimed job of one of them that has no
+        #: limit group is given back with it (regroup_leases).
+        self.declared: Mapping[str, TaskLimits] = declared or {}
         self.poll_interval = poll_interval
         self.start = start
         self.wake = wake
@@ -411,6 +416,12 @@ class Fetcher:
                     )
             if claim is not None:  # its rows arrived with the COMMIT's
                 rows = await claim.fetchall()
+            jobs = self._jobs(rows, token, limited=True)
+            if self.declared:  # a limited queue's jobs without a group, of a limited task
+                strays = [job for job, row in zip(jobs, rows, strict=True)
+                          if row[7] is None and job.task in self.declared]  # fmt: skip
+                if strays:
+                    jobs = await self._regroup(conn, jobs, strays)
         self.claims += 1
         # Round-robin: the next walk starts after the furthest group that gave a job (or,
         # when none did, after the last one walked).
@@ -433,7 +444,7 @@ class Fetcher:
             self._busy_retry = min(self._busy_retry * 2, self.poll_interval)
         else:
             self._busy_retry = LIMIT_BUSY_RETRY
-        return self._jobs(rows, token, limited=True)
+        return jobs
 
     def _bound_period(self) -> float:
         """Seconds between sweeps behind the bound (see BOUND_RESET)."""
@@ -536,10 +547,8 @@ class Fetcher:
             rows = await cur.fetchall()
             if rows:
                 self._sweep_from = (rows[-1][9], rows[-1][0])
-            jobs = self._jobs([row[:8] for row in rows], token)
+            jobs = await self._hand_back(conn, self._jobs([row[:8] for row in rows], token))
             self.sweeps_run += 1
-            if not self.tasks.keys() >= {job.task for job in jobs}:
-                jobs = await self._hand_back_unknown(conn, jobs)
         for job in jobs:
             self.start(job)
         return jobs
@@ -617,9 +626,7 @@ class Fetcher:
                     if position is not None:
                         self.bound = (position[0], position[1], rows[-1][0])
                         self._bound_dry = False
-            jobs = self._jobs(rows, token)
-            if not self.tasks.keys() >= {job.task for job in jobs}:
-                jobs = await self._hand_back_unknown(conn, jobs)
+            jobs = await self._hand_back(conn, self._jobs(rows, token))
         self.claims += 1
         if not after:
             if self._from_start_took < SLOW_CLAIM:
@@ -630,6 +637,53 @@ class Fetcher:
                     self.horizon.claims_slow(self._from_start_took, loop.time())
                 )
         return jobs
+
+    async def _hand_back(
+        self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob]
+    ) -> list[ClaimedJob]:
+        """A plain claim's jobs, less those given back: of tasks this worker does not know, and
+        of tasks it declares limited (the plain claim takes only jobs without a group)."""
+        names = {job.task for job in jobs}
+        if not self.tasks.keys() >= names:
+            jobs = await self._hand_back_unknown(conn, jobs)
+        if self.declared and not self.declared.keys().isdisjoint(names):
+            jobs = await self._regroup(conn, jobs, [j for j in jobs if j.task in self.declared])
+        return jobs
+
+    async def _regroup(
+        self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob], strays: list[ClaimedJob]
+    ) -> list[ClaimedJob]:
+        """Give ``strays`` (jobs of declared limited tasks claimed without a limit group) back
+        with their group, for the limited claim; returns the jobs of ``jobs`` to run here."""
+        keys: list[str] = []
+        for job in strays:
+            try:
+                keys.append(self.declared[job.task].group(job.task, job.args))
+            except InvalidJobError:
+                keys.append("")  # as limits.stamp_waiting: such a job shares the '' group
+        cur = await conn.execute(
+            self.q.regroup_leases,
+            {
+                "ids": [job.id for job in strays],
+                "tokens": [job.lease_token for job in strays],
+                "keys": keys,
+            },
+        )
+        back = {int(row[0]) for row in await cur.fetchall()}
+        if not back:
+            return jobs
+        log.warning(
+            "%d claimed jobs of limited tasks (%s) had no limit group; given back with it, "
+            "they run under the limit",
+            len(back),
+            ", ".join(sorted({job.task for job in strays if job.id in back})),
+        )
+        self.limited = True  # they wait for the limited claim now: this worker's and others'
+        self._limited_dry = 0.0
+        self._limited_changes += 1
+        self._notified = True
+        self.wake(sorted({job.queue for job in strays if job.id in back}))
+        return [job for job in jobs if job.id not in back]
 
     async def _hand_back_unknown(
         self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob]

@@ -376,6 +376,7 @@ class Worker:
             queues=self.queues,
             tasks=self.app.tasks,
             poll_interval=self.poll_interval,
+            declared={n: t.limits for n, t in self.app.tasks.items() if t.limits is not None},
             start=self._start,
             wake=self.wake,
             schema=self.app.schema,
@@ -630,9 +631,11 @@ class Worker:
                 delay = min(delay * 2, self.poll_interval)
             deadline = time.monotonic() + limits.STAMP_RETRY
             await limits.stamp_skipped(pool.connection, self.app.q, skipped, deadline)
-        except Exception as exc:  # a lost connection: nothing later looks for such jobs
+        except Exception as exc:  # a lost connection: claims give such jobs their group
             log.warning(
-                "could not give late jobs their limit group (they may run outside it): %s", exc
+                "could not give late jobs their limit group (a claim by a worker that declares "
+                "the limit will): %s",
+                exc,
             )
 
     async def _deregister(self, pool: WorkerPool) -> None:
