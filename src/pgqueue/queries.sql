@@ -1242,7 +1242,9 @@ SELECT id, waited FROM done
 -- claim_limited_jobs. The next jobs are taken in claim order, and a slot whose next job is of
 -- a task this worker does not run (a rolling deploy) is not handed off: it goes to the
 -- workers the acks' wake tells, which run that task; skipping over such jobs, one worker could
--- keep every slot of the queue while they wait. Same rows and columns as claim_limited_jobs
+-- keep every slot of the queue while they wait. %(tasks)s also leaves out the tasks this worker
+-- declares limited: such a job here has lost its group, which the limited claim gives back
+-- (regroup_leases). Same rows and columns as claim_limited_jobs
 -- (limit_key always NULL).
 WITH freed AS (
     SELECT j.queue, count(*) AS n

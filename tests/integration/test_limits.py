@@ -760,3 +760,64 @@ async def test_slot_hand_offs_obey_a_lowered_limit_and_a_pause(
         "SELECT count(*) FROM pgqueue_jobs WHERE claimed_at > %s", (paused[0],)
     ).fetchone()
     assert late == (0,)
+
+
+async def test_a_limited_queue_hands_no_slot_to_a_job_of_a_limited_task_without_its_group(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The slot hand-off takes jobs without a group: a job of a task the worker declares limited
+    that lost its group is left to the limited claim, which gives it back with its group, so it
+    waits for the task's running job instead of taking a queue slot beside it."""
+    release = asyncio.Event()
+    capped_running = capped_peak = 0
+    order: list[str] = []
+
+    @app.task(queue="api")
+    async def call(n: int) -> None:
+        await asyncio.sleep(0.002)
+
+    @app.task(queue="api", limit=1)
+    async def capped(n: int) -> None:
+        nonlocal capped_running, capped_peak
+        capped_running += 1
+        capped_peak = max(capped_peak, capped_running)
+        order.append(f"start {n}")
+        try:
+            if n == 0:
+                await release.wait()
+        finally:
+            capped_running -= 1
+            order.append(f"end {n}")
+
+    app.limit_queue("api", limit=4)
+    async with running_worker(app, concurrency=4, **NO_POLL) as worker:
+        capped.enqueue(n=0)
+        await wait_until_async(lambda: "start 0" in order, timeout=30)
+        app.enqueue_many([("call", {"n": n}) for n in range(100)])
+        # Without its group (as a lock through every stamping pass leaves it), so the plain
+        # claim and the hand-off, which take only jobs without one, can reach it.
+        inserted = conn.execute(
+            "INSERT INTO pgqueue_jobs (queue, task, args) VALUES ('api', 'capped', '{\"n\": 1}')"
+            " RETURNING id"
+        ).fetchone()
+        assert inserted is not None
+        app.enqueue_many([("call", {"n": n}) for n in range(100, 400)])
+        await wait_until_async(lambda: worker.completer.handed_off > 50, timeout=30)
+        await wait_until_async(
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM pgqueue_jobs WHERE task = 'call'"
+                    " AND status::text <> 'succeeded'"
+                ).fetchone()
+                == (0,)
+            ),
+            timeout=60,
+        )
+        release.set()
+        await wait_until_async(lambda: "end 1" in order, timeout=30)
+    assert capped_peak == 1
+    assert order == ["start 0", "end 0", "start 1", "end 1"]
+    row = conn.execute(
+        "SELECT status::text, limit_key, attempts FROM pgqueue_jobs WHERE id = %s", inserted
+    ).fetchone()
+    assert row == ("succeeded", "", 1)

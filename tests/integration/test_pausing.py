@@ -143,11 +143,25 @@ async def test_an_idle_worker_with_only_paused_jobs_waits_for_a_notify_or_the_po
     )  # fmt: skip
     last_due = db_clock(conn) + 0.5 + 44 * 0.05
     async with running_worker(app, queues=queues, **NO_POLL) as worker:
+        # The notifier wakes the fetcher whenever it looks whether a producer that skipped its
+        # NOTIFY may still commit (_settled: after announcing, then again while one may): each
+        # such look may cost a claim, and on a loaded machine a lingering transaction of an
+        # earlier test makes it look again. Those claims are counted apart.
+        looks = 0
+        settled = worker.notifier._settled
+
+        async def counted(conn: Any) -> bool:
+            nonlocal looks
+            looks += 1
+            return await settled(conn)
+
+        worker.notifier._settled = counted  # type: ignore[method-assign]
         await wait_until_async(lambda: worker.notifier.announced, timeout=10)
-        claims = worker.fetcher.claims
+        claims, looked = worker.fetcher.claims, looks
         # Every delayed job has fallen due (by the database clock), with a margin.
         await wait_until_async(lambda: db_clock(conn) > last_due + 0.3, timeout=20)
-        assert worker.fetcher.claims - claims <= 2, worker.fetcher.claims - claims
+        extra = worker.fetcher.claims - claims - (looks - looked)
+        assert extra <= 2, (worker.fetcher.claims - claims, looks - looked)
         assert ran == []
 
 

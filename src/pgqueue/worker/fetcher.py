@@ -316,13 +316,16 @@ class Fetcher:
     def hand_off_params(self, ids: list[int], tokens: list[UUID]) -> dict[str, Any]:
         """hand_off_queue_slots' parameters for these acks (see completer.hand_off). Packed:
         the hand-off travels with the acks, on the completer's connection, which knows the
-        type."""
+        type. Not to jobs of tasks this worker declares limited: the hand-off takes jobs
+        without a group, and such a job has lost its own, which the limited claim gives back
+        (regroup_leases)."""
+        tasks = self.only_tasks or self._task_names
         return {
             "ids": arrays.int8_array(ids),
             "tokens": arrays.uuid_array(tokens),
             "worker_id": self.worker_id,
             "token": uuid4(),
-            "tasks": self.only_tasks or self._task_names,
+            "tasks": [t for t in tasks if t not in self.declared] if self.declared else tasks,
         }
 
     def handed_off(self, rows: list[Any], token: UUID) -> None:
