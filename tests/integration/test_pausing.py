@@ -145,8 +145,8 @@ async def test_an_idle_worker_with_only_paused_jobs_waits_for_a_notify_or_the_po
     async with running_worker(app, queues=queues, **NO_POLL) as worker:
         # The notifier wakes the fetcher whenever it looks whether a producer that skipped its
         # NOTIFY may still commit (_settled: after announcing, then again while one may): each
-        # such look may cost a claim, and on a loaded machine a lingering transaction of an
-        # earlier test makes it look again. Those claims are counted apart.
+        # such look may cost a claim, and a transaction that still holds the producers' lock
+        # (slow to end on a loaded machine) makes it look again. Those claims are counted apart.
         looks = 0
         settled = worker.notifier._settled
 
