@@ -611,6 +611,31 @@ async def test_a_waiting_job_locked_through_both_passes_of_a_declaration_still_g
         declared.close()
 
 
+async def test_a_stray_job_whose_key_cannot_be_computed_goes_back_in_the_shared_group(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """A job of a per-key task without a group whose arguments the key function fails on (a row
+    written by other means) is given the group '' when a worker claims it, as the stamping
+    passes do: it runs, limited with the other such jobs, and nothing is lost."""
+    ran: list[dict[str, Any]] = []
+
+    @app.task(limit=1, limit_key=lambda args: args["tenant"])
+    async def sync(**kwargs: Any) -> None:
+        ran.append(kwargs)
+
+    async with running_worker(app, concurrency=4, **FAST):
+        inserted = conn.execute(
+            "INSERT INTO pgqueue_jobs (queue, task, args) VALUES ('default', 'sync', '{\"n\": 1}')"
+            " RETURNING id"
+        ).fetchone()
+        assert inserted is not None
+        await wait_until_async(lambda: ran == [{"n": 1}], timeout=30)
+    row = conn.execute(
+        "SELECT status::text, limit_key, attempts FROM pgqueue_jobs WHERE id = %s", inserted
+    ).fetchone()
+    assert row == ("succeeded", "", 1)
+
+
 @pytest.mark.parametrize("per_key", [False, True], ids=["task", "key"])
 async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under_the_limit(
     app: pgqueue.App, conn: Conn, per_key: bool, caplog: pytest.LogCaptureFixture
