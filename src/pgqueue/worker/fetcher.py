@@ -682,9 +682,7 @@ class Fetcher:
             ", ".join(sorted({job.task for job in strays if job.id in back})),
         )
         self.limited = True  # they wait for the limited claim now: this worker's and others'
-        self._limited_dry = 0.0
-        self._limited_changes += 1
-        self._notified = True
+        self.slot_freed()
         self.wake(sorted({job.queue for job in strays if job.id in back}))
         return [job for job in jobs if job.id not in back]
 

@@ -580,7 +580,7 @@ class Worker:
     async def _declare_limits(self, pool: WorkerPool) -> None:
         """Write the limits this app's tasks declare, and give the waiting jobs of a task
         limited for the first time their group (they were enqueued before the limit)."""
-        declared = {name: t.limits for name, t in self.app.tasks.items() if t.limits is not None}
+        declared = self.fetcher.declared
         if not declared:
             return
         async with pool.connection() as conn:
