@@ -68,12 +68,12 @@ def limited_claim_params(
 ) -> dict[str, Any]:
     """claim_limited_jobs' parameters for the groups and queues a walk (its rows: ``locks``)
     locked, as Fetcher.claim_limited builds them."""
-    groups = [(str(n), str(k)) for kind, n, k, _, locked, _ in locks if kind == "g" and locked]
+    groups = [(str(n), str(k)) for kind, n, k, _, locked, *_ in locks if kind == "g" and locked]
     return {
         "worker_id": worker, "token": uuid.uuid4(), "limit": limit, "queues": None,
         "tasks": tasks, "g_tasks": [t for t, _ in groups], "g_keys": [k for _, k in groups],
         "g_names": [group_name(t, k) for t, k in groups],
-        "lq": [str(n) for kind, n, _, _, locked, _ in locks if kind == "q" and locked],
+        "lq": [str(n) for kind, n, _, _, locked, *_ in locks if kind == "q" and locked],
         "blocked": [],
     }  # fmt: skip
 

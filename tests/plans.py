@@ -73,12 +73,13 @@ def claim_selection(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def without_paused_lookups(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every node of a plan but its reads of pgqueue_queues, after checking that each of those
-    is an InitPlan that ran at most once: the paused-queue filter costs one lookup per statement,
-    never one per row or per loop (see claim_jobs)."""
+    """Every node of a plan but its reads of pgqueue_queues and pgqueue_tasks, after checking
+    that each of those is an InitPlan that ran at most once: the paused-queue filter and the
+    limited tasks' list cost one lookup per statement, never one per row or per loop (see
+    claim_jobs)."""
     found = []
     for node in nodes(plan):
-        if node.get("Relation Name") == "pgqueue_queues":
+        if node.get("Relation Name") in ("pgqueue_queues", "pgqueue_tasks"):
             assert node["Parent Relationship"] == "InitPlan", node
             assert node["Actual Loops"] <= 1, node
         else:

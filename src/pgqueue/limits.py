@@ -287,9 +287,8 @@ def _next_pause(pause: float) -> float:
 
 def _left_ungrouped(task: str, jobs: int) -> None:
     log.warning(
-        "task %r: %d waiting jobs stayed locked and have no limit group; a worker that "
-        "declares the limit gives them back with it when it claims them, others may run them "
-        "outside the limit",
+        "task %r: %d waiting jobs stayed locked and have no limit group; the worker that "
+        "claims one gives it back with its group, and it runs under the limit",
         task, jobs,
     )  # fmt: skip
 

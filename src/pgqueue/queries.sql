@@ -571,7 +571,10 @@ WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('queued', 'retrying') AND limit
 -- hash-joins a sequential scan of every row, finished ones included. The outer query puts the
 -- batch back in claim order, with the arguments as JSON text that the worker parses itself:
 -- psycopg's jsonb loader took ~5 us of the worker's CPU per row here, text and the fetcher's
--- parse ~1.5. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
+-- parse ~1.5. `stray` says the job's task has a limit or a rate in pgqueue_tasks: such a job
+-- here has no limit group (a lock kept it out of every pass that gives one, or an operator set
+-- the limit on a task the worker's code leaves unlimited), and the worker gives it back with
+-- one (regroup_leases). The list is another InitPlan: one read of that small table per claim. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
 -- claim_jobs_in_queues restricted to a list of queues, which for a single queue reads
 -- pgqueue_jobs_ready_queue_idx in order (its custom plan folds `queue = (queues)[1]` into an
 -- equality). Both are rendered again as the fetcher's sweep behind claim_jobs_after's bound,
@@ -604,8 +607,10 @@ WITH claimed AS (
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
               j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
-       {position_columns}
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds,
+       task = ANY(ARRAY(SELECT name FROM {schema}.pgqueue_tasks
+                        WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)) AS stray,
+       meta::text {position_columns}
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_jobs_by_priority
@@ -693,7 +698,10 @@ WITH claimed AS (
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
               j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds,
+       task = ANY(ARRAY(SELECT name FROM {schema}.pgqueue_tasks
+                        WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)) AS stray,
+       meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_jobs_after
@@ -777,8 +785,10 @@ WITH claimed AS (
               extract(epoch FROM j.claimed_at - j.run_at)::float8 AS pickup_seconds,
               j.priority, j.run_at, j.meta
 )
-SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds, meta::text,
-       priority, run_at::text
+SELECT id, queue, task, args::text, attempts, max_attempts, pickup_seconds,
+       task = ANY(ARRAY(SELECT name FROM {schema}.pgqueue_tasks
+                        WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)) AS stray,
+       meta::text, priority, run_at::text
 FROM claimed ORDER BY priority DESC, run_at, id
 
 -- name: claim_position
@@ -875,7 +885,10 @@ SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true),
 -- rate returns when it has rate again (wait, seconds), so the worker can sleep until then. Lock
 -- keys are the schema and the group's name, hashed: a collision can only serialise two groups'
 -- claims. Paused queues the worker serves are returned too ('p'): with the limited queues it
--- could not lock, their jobs are left alone by claim_limited_jobs (%(blocked)s).
+-- could not lock, their jobs are left alone by claim_limited_jobs (%(blocked)s). Their rows end
+-- with the tasks that pgqueue_tasks limits (one read per statement): a limited queue's claim
+-- takes jobs without a group, and one of those tasks there has lost its group (claim_jobs'
+-- `stray`), which the worker gives back (regroup_leases).
 -- The free slots are read from `held`: the running jobs with a limit group, counted per group
 -- by one pass over them (bounded by the fleet's concurrency), and looked up by group name in a
 -- jsonb object. A count per group (a subquery per walked group) was at the planner's mercy:
@@ -951,13 +964,15 @@ SELECT 'g', c.task, c.key, c.n,
        CASE WHEN c.served AND c.free AND c.wait IS NULL AND c.due
             THEN pg_try_advisory_xact_lock(hashtextextended(%(schema)s || ':' || c.name, 0))
             ELSE false END,
-       c.wait
+       c.wait, NULL
 FROM checked c
 UNION ALL
 SELECT CASE WHEN q.paused THEN 'p' ELSE 'q' END, q.name, NULL, NULL,
        NOT q.paused
        AND pg_try_advisory_xact_lock(hashtextextended(%(schema)s || ':q:' || q.name, 0)),
-       NULL
+       NULL,
+       ARRAY(SELECT t.name FROM {schema}.pgqueue_tasks t
+             WHERE t.concurrency_limit IS NOT NULL OR t.rate_limit IS NOT NULL)
 FROM queues q
 
 -- name: claim_limited_jobs
@@ -1243,9 +1258,10 @@ SELECT id, waited FROM done
 -- a task this worker does not run (a rolling deploy) is not handed off: it goes to the
 -- workers the acks' wake tells, which run that task; skipping over such jobs, one worker could
 -- keep every slot of the queue while they wait. %(tasks)s also leaves out the tasks this worker
--- declares limited: such a job here has lost its group, which the limited claim gives back
--- (regroup_leases). Same rows and columns as claim_limited_jobs
--- (limit_key always NULL).
+-- declares limited, and the statement those the database limits (the worker's code may not
+-- declare an operator's limit): such a job here has lost its group, which the limited claim
+-- gives back (regroup_leases). Same rows and columns as claim_limited_jobs (limit_key always
+-- NULL).
 WITH freed AS (
     SELECT j.queue, count(*) AS n
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS a(id, token)
@@ -1277,6 +1293,8 @@ claimed AS (
             FOR UPDATE SKIP LOCKED
         ) c
         WHERE c.task = ANY(%(tasks)s::text[])
+          AND c.task <> ALL(ARRAY(SELECT name FROM {schema}.pgqueue_tasks
+                                  WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL))
     ))
     RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
               extract(epoch FROM statement_timestamp() - j.run_at)::float8 w,
@@ -1328,9 +1346,10 @@ WHERE j.id = r.id AND j.lease_token = r.token AND j.status::text = 'running'
 RETURNING j.id, j.queue
 
 -- name: regroup_leases
--- A claim took jobs of a task this worker declares limited that have no limit group: each was
--- locked through every pass that gives waiting jobs their group (limits.stamp_skipped gave up),
--- or was claimed before the worker's own pass reached it. They go back waiting with their group
+-- A claim took jobs of a limited task (declared by this worker, or limited in pgqueue_tasks:
+-- the claim's `stray`) that have no limit group: each was locked through every pass that gives
+-- waiting jobs their group (limits.stamp_skipped gave up), or was claimed before the worker's own
+-- pass reached it. They go back waiting with their group
 -- (computed by the worker), attempt uncounted, for the limited claim to take under the limit.
 -- Fenced like release_leases; a row locked right now is skipped, and its job runs here.
 UPDATE {schema}.pgqueue_jobs j

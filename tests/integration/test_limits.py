@@ -636,19 +636,23 @@ async def test_a_stray_job_whose_key_cannot_be_computed_goes_back_in_the_shared_
     assert row == ("succeeded", "", 1)
 
 
-@pytest.mark.parametrize("per_key", [False, True], ids=["task", "key"])
+@pytest.mark.parametrize("how", ["task", "key", "operator"])
 async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under_the_limit(
-    app: pgqueue.App, conn: Conn, per_key: bool, caplog: pytest.LogCaptureFixture
+    app: pgqueue.App, conn: Conn, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A job of a limited task can still wait without its group (a lock kept it out of every
     stamping pass, or a claim came before the worker's own pass). The plain claim takes jobs
     without a group: the worker gives such a job back with its group (regroup_leases), attempt
-    uncounted, and it runs under the limit, after the group's running job, not beside it."""
+    uncounted, and it runs under the limit, after the group's running job, not beside it. Also
+    when the limit is the operator's and the worker's code has none (``operator``): the claim
+    says which tasks the database limits, and such a job goes back in the task's group ''."""
     release = asyncio.Event()
     order: list[tuple[str, int]] = []
     running = peak = 0
+    per_key = how == "key"
+    limit = None if how == "operator" else 1
 
-    @app.task(limit=1, limit_key=(lambda args: args["tenant"]) if per_key else None)
+    @app.task(limit=limit, limit_key=(lambda args: args["tenant"]) if per_key else None)
     async def sync(tenant: str, n: int) -> None:
         nonlocal running, peak
         running += 1
@@ -669,6 +673,8 @@ async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under
         ).fetchone()
         return row is not None and bool(row[0])
 
+    if how == "operator":
+        app.limit_task("sync", limit=1)
     with caplog.at_level("WARNING", logger="pgqueue.worker.fetcher"):
         async with running_worker(app, concurrency=4, **FAST):
             sync.enqueue(tenant="a", n=0)
@@ -787,12 +793,14 @@ async def test_slot_hand_offs_obey_a_lowered_limit_and_a_pause(
     assert late == (0,)
 
 
+@pytest.mark.parametrize("how", ["declared", "operator"])
 async def test_a_limited_queue_hands_no_slot_to_a_job_of_a_limited_task_without_its_group(
-    app: pgqueue.App, conn: Conn
+    app: pgqueue.App, conn: Conn, how: str
 ) -> None:
     """The slot hand-off takes jobs without a group: a job of a task the worker declares limited
-    that lost its group is left to the limited claim, which gives it back with its group, so it
-    waits for the task's running job instead of taking a queue slot beside it."""
+    (or the operator limits, ``operator``) that lost its group is left to the limited claim,
+    which gives it back with its group, so it waits for the task's running job instead of
+    taking a queue slot beside it."""
     release = asyncio.Event()
     capped_running = capped_peak = 0
     order: list[str] = []
@@ -801,7 +809,7 @@ async def test_a_limited_queue_hands_no_slot_to_a_job_of_a_limited_task_without_
     async def call(n: int) -> None:
         await asyncio.sleep(0.002)
 
-    @app.task(queue="api", limit=1)
+    @app.task(queue="api", limit=None if how == "operator" else 1)
     async def capped(n: int) -> None:
         nonlocal capped_running, capped_peak
         capped_running += 1
@@ -815,6 +823,8 @@ async def test_a_limited_queue_hands_no_slot_to_a_job_of_a_limited_task_without_
             order.append(f"end {n}")
 
     app.limit_queue("api", limit=4)
+    if how == "operator":
+        app.limit_task("capped", limit=1)
     async with running_worker(app, concurrency=4, **NO_POLL) as worker:
         capped.enqueue(n=0)
         await wait_until_async(lambda: "start 0" in order, timeout=30)

@@ -384,8 +384,10 @@ class Fetcher:
                 queue_rows = [name for kind, name, *_ in locks if kind == "q"]
                 alone = len(queue_rows) == 1 and not any(row[0] == "g" for row in locks)
                 self.limited_queues = set(queue_rows) if alone else set()
-                for kind, name, key, n, locked, rate_wait in locks:
+                limited_tasks: frozenset[str] = frozenset()
+                for kind, name, key, n, locked, rate_wait, listed in locks:
                     if kind in ("q", "p"):
+                        limited_tasks = frozenset(listed)
                         if locked:
                             lq.append(name)
                         else:
@@ -420,11 +422,12 @@ class Fetcher:
             if claim is not None:  # its rows arrived with the COMMIT's
                 rows = await claim.fetchall()
             jobs = self._jobs(rows, token, limited=True)
-            if self.declared:  # a limited queue's jobs without a group, of a limited task
-                strays = [job for job, row in zip(jobs, rows, strict=True)
-                          if row[7] is None and job.task in self.declared]  # fmt: skip
-                if strays:
-                    jobs = await self._regroup(conn, jobs, strays)
+            # A limited queue's jobs without a group, of a limited task (declared, or limited
+            # in the database: the walk's queue rows list those).
+            strays = [job for job, row in zip(jobs, rows, strict=True) if row[7] is None
+                      and (job.task in self.declared or job.task in limited_tasks)]  # fmt: skip
+            if strays:
+                jobs = await self._regroup(conn, jobs, strays)
         self.claims += 1
         # Round-robin: the next walk starts after the furthest group that gave a job (or,
         # when none did, after the last one walked).
@@ -549,8 +552,9 @@ class Fetcher:
             cur = await conn.execute(self.before, params)
             rows = await cur.fetchall()
             if rows:
-                self._sweep_from = (rows[-1][9], rows[-1][0])
-            jobs = await self._hand_back(conn, self._jobs([row[:8] for row in rows], token))
+                self._sweep_from = (rows[-1][10], rows[-1][0])
+            rows = [row[:9] for row in rows]
+            jobs = await self._hand_back(conn, self._jobs(rows, token), rows)
             self.sweeps_run += 1
         for job in jobs:
             self.start(job)
@@ -559,7 +563,8 @@ class Fetcher:
     @staticmethod
     def _jobs(rows: list[Any], token: UUID, *, limited: bool = False) -> list[ClaimedJob]:
         """Rows of a claim: id, queue, task, args, attempt, max_attempts, pickup, ..., meta
-        (the limited claim's rows have the limit key before the meta)."""
+        (a plain claim's rows have the stray flag before the meta, the limited claim's the
+        limit key)."""
         return [
             ClaimedJob(
                 row[0],
@@ -602,8 +607,8 @@ class Fetcher:
             if after:
                 if rows:
                     last = rows[-1]
-                    self.bound = (last[8], last[9], last[0])
-                rows = [row[:8] for row in rows]
+                    self.bound = (last[9], last[10], last[0])
+                rows = [row[:9] for row in rows]
             else:
                 self._from_start_took = loop.time() - sent
                 # This claim walked what a sweep would: the next is due a period from now.
@@ -629,7 +634,7 @@ class Fetcher:
                     if position is not None:
                         self.bound = (position[0], position[1], rows[-1][0])
                         self._bound_dry = False
-            jobs = await self._hand_back(conn, self._jobs(rows, token))
+            jobs = await self._hand_back(conn, self._jobs(rows, token), rows)
         self.claims += 1
         if not after:
             if self._from_start_took < SLOW_CLAIM:
@@ -642,26 +647,36 @@ class Fetcher:
         return jobs
 
     async def _hand_back(
-        self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob]
+        self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob], rows: list[Any]
     ) -> list[ClaimedJob]:
-        """A plain claim's jobs, less those given back: of tasks this worker does not know, and
-        of tasks it declares limited (the plain claim takes only jobs without a group)."""
+        """A plain claim's jobs (``rows``: its rows), less those given back: of tasks this
+        worker does not know, and of limited tasks (the plain claim takes only jobs without a
+        group): those this worker declares limited, and those the database limits (the rows'
+        ``stray`` column: an operator's limit, which the worker's code may not have)."""
         names = {job.task for job in jobs}
         if not self.tasks.keys() >= names:
             jobs = await self._hand_back_unknown(conn, jobs)
-        if self.declared and not self.declared.keys().isdisjoint(names):
-            jobs = await self._regroup(conn, jobs, [j for j in jobs if j.task in self.declared])
+        if any(row[7] for row in rows) or (
+            self.declared and not self.declared.keys().isdisjoint(names)
+        ):
+            flagged = {row[0] for row in rows if row[7]}
+            strays = [j for j in jobs if j.task in self.declared or j.id in flagged]
+            if strays:
+                jobs = await self._regroup(conn, jobs, strays)
         return jobs
 
     async def _regroup(
         self, conn: psycopg.AsyncConnection[Any], jobs: list[ClaimedJob], strays: list[ClaimedJob]
     ) -> list[ClaimedJob]:
-        """Give ``strays`` (jobs of declared limited tasks claimed without a limit group) back
-        with their group, for the limited claim; returns the jobs of ``jobs`` to run here."""
+        """Give ``strays`` (jobs of limited tasks claimed without a limit group) back with
+        their group, for the limited claim; returns the jobs of ``jobs`` to run here. A task
+        the worker does not declare limited has no key function here: its jobs go in the group
+        '' (the task's group when its limit is task-wide, as the operator's are)."""
         keys: list[str] = []
         for job in strays:
+            declared = self.declared.get(job.task)
             try:
-                keys.append(self.declared[job.task].group(job.task, job.args))
+                keys.append("" if declared is None else declared.group(job.task, job.args))
             except InvalidJobError:
                 keys.append("")  # as limits.stamp_waiting: such a job shares the '' group
         cur = await conn.execute(
