@@ -1692,8 +1692,9 @@ RETURNING name
 -- The firing transaction's first step. pgqueue_schedules_due_idx finds due rows; SKIP LOCKED
 -- lets every worker's scheduler run at once: a schedule another worker is firing is skipped,
 -- and once that commits its next_run_at is in the future, so the row no longer matches (READ
--- COMMITTED re-checks the WHERE on the newest row version). "Due" is the database clock.
-SELECT name, cron, next_run_at, missed, max_catchup, now()
+-- COMMITTED re-checks the WHERE on the newest row version). "Due" is the database clock. The
+-- task and arguments let a scheduler whose app declares the task's limit compute the jobs' group.
+SELECT name, cron, next_run_at, missed, max_catchup, now(), task, args::text
 FROM {schema}.pgqueue_schedules
 WHERE enabled AND NOT paused AND next_run_at <= now()
 ORDER BY next_run_at
@@ -1703,11 +1704,15 @@ FOR UPDATE SKIP LOCKED
 -- name: insert_schedule_jobs
 -- Ordinary jobs (retries, dead letters, NOTIFY), tagged with their schedule and tick. The
 -- unique index on (schedule_name, schedule_tick) makes a second job for a tick impossible even
--- if two transactions raced past the row lock; the loser inserts nothing.
+-- if two transactions raced past the row lock; the loser inserts nothing. The limit group is
+-- as insert_job's: the scheduler's (its app declares the task's limit) or, when it has none,
+-- '' for a task limited in the database, so a limited task's scheduled jobs run under its limit.
 INSERT INTO {schema}.pgqueue_jobs
-    (queue, task, args, priority, max_attempts, run_at, schedule_name, schedule_tick)
-SELECT s.queue, s.task, s.args, s.priority, s.max_attempts, t.tick, s.name, t.tick
-FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[]) WITH ORDINALITY AS t(name, tick, ord)
+    (queue, task, args, priority, max_attempts, run_at, schedule_name, schedule_tick, limit_key)
+SELECT s.queue, s.task, s.args, s.priority, s.max_attempts, t.tick, s.name, t.tick,
+       COALESCE(t.limit_key, (SELECT '' FROM {schema}.pgqueue_tasks k WHERE k.name = s.task))
+FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[], %(limit_keys)s::text[])
+     WITH ORDINALITY AS t(name, tick, limit_key, ord)
 JOIN {schema}.pgqueue_schedules s ON s.name = t.name
 ORDER BY t.ord
 ON CONFLICT (schedule_name, schedule_tick) WHERE schedule_name IS NOT NULL DO NOTHING

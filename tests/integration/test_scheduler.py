@@ -215,7 +215,7 @@ async def test_unique_key_refuses_a_second_job_for_the_same_tick(
     tick = conn.execute("SELECT date_trunc('minute', now())").fetchone()
     assert tick is not None
     a, b = await aconnect(app.dsn), await aconnect(app.dsn)
-    params = {"names": ["race"], "ticks": [tick[0]]}
+    params = {"names": ["race"], "ticks": [tick[0]], "limit_keys": [None]}
 
     async def insert_in_b() -> list[Any]:
         async with b.transaction():
@@ -364,3 +364,29 @@ async def test_run_loop_survives_database_errors_and_still_stops(
         stop.set()
         await asyncio.wait_for(task, 5)
         await pool.close()
+
+
+@pytest.mark.parametrize("how", ["task", "key", "operator"])
+async def test_a_scheduled_job_of_a_limited_task_gets_its_limit_group(
+    app: pgqueue.App, conn: Conn, how: str
+) -> None:
+    """A schedule's job is enqueued like any other: a limited task's job gets its limit group
+    when it is inserted (the key of its arguments under a per-key limit, '' for a task-wide one,
+    and '' from the database when the firing worker's code leaves the task unlimited, as for an
+    operator's limit), so the limited claim takes it under the limit. Without it, every tick of
+    a limited task's schedule ran unlimited, or was given back by the claim with a warning."""
+    per_key = how == "key"
+    app.task(
+        name="sync",
+        limit=None if how == "operator" else 1,
+        limit_key=(lambda args: args["tenant"]) if per_key else None,
+    )(lambda tenant: None)
+    app.schedule("sync-a", "*/5 * * * *", task="sync", args={"tenant": "a"})
+    if how == "operator":
+        app.limit_task("sync", limit=1)
+    await sync(app)
+    make_due(conn, "sync-a", "1 minute")
+    async with await aconnect(app.dsn) as aconn:
+        assert await Scheduler(app).tick(aconn) == 1
+    groups = conn.execute("SELECT task, limit_key FROM pgqueue_jobs").fetchall()
+    assert groups == [("sync", "a" if per_key else "")]

@@ -21,6 +21,7 @@ decides who writes and retires a schedule; see ``sync``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from ..errors import InvalidJobError
 from ..schedules import MissedPolicy, due_ticks, next_tick
 from .connections import Connections
 from .outage import Outage
@@ -143,10 +145,11 @@ class Scheduler:
                 return 0, 0
             job_names: list[str] = []
             job_ticks: list[datetime] = []
+            job_groups: list[str | None] = []
             names: list[str] = []
             next_run_ats: list[datetime] = []
             last_ticks: list[datetime] = []
-            for name, cron, next_run_at, missed, max_catchup, db_now in rows:
+            for name, cron, next_run_at, missed, max_catchup, db_now, task, args in rows:
                 policy: MissedPolicy = "all" if missed == "all" else "latest"
                 try:
                     ticks, following = due_ticks(cron, next_run_at, db_now, policy, max_catchup)
@@ -164,13 +167,15 @@ class Scheduler:
                     )  # fmt: skip
                 job_names.extend([name] * len(ticks))
                 job_ticks.extend(ticks)
+                job_groups.extend([self._group(task, args)] * len(ticks))
                 names.append(name)
                 next_run_ats.append(following)
                 last_ticks.append(ticks[-1])
             inserted = 0
             if job_names:
                 cur = await conn.execute(
-                    self.q.insert_schedule_jobs, {"names": job_names, "ticks": job_ticks}
+                    self.q.insert_schedule_jobs,
+                    {"names": job_names, "ticks": job_ticks, "limit_keys": job_groups},
                 )
                 inserted = len(await cur.fetchall())
                 await conn.execute(
@@ -179,6 +184,17 @@ class Scheduler:
                 )
         self.fired += inserted
         return inserted, len(names)
+
+    def _group(self, task: str, args: str) -> str | None:
+        """The limit group of a schedule's jobs when this app declares the task's limit (as a
+        producer computes it); None leaves it to the database ('' if it limits the task)."""
+        spec = self.app.tasks.get(task)
+        if spec is None or spec.limits is None:
+            return None
+        try:
+            return spec.limits.group(task, json.loads(args))
+        except InvalidJobError:
+            return ""  # as limits.stamp_waiting: such a job shares the '' group
 
     async def seconds_until_due(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
         """Seconds until the earliest live schedule is due, by the database clock."""
