@@ -282,11 +282,16 @@ UNION ALL
 LIMIT 1
 
 -- name: requeue_job
--- Dead or cancelled jobs only, with a fresh set of attempts; wakes the queue's workers.
+-- Dead or cancelled jobs only, with a fresh set of attempts; wakes the queue's workers. A job
+-- without a limit group whose task has since been limited task-wide gets the group '' (the
+-- passes that group a newly limited task's jobs look only at waiting ones); under a per-key
+-- limit it stays without one, and the worker that claims it gives it back with its key.
 WITH requeued AS (
     UPDATE {schema}.pgqueue_jobs
     SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
-        claimed_at = NULL, started_at = NULL, result = NULL
+        claimed_at = NULL, started_at = NULL, result = NULL,
+        limit_key = COALESCE(limit_key, (SELECT '' FROM {schema}.pgqueue_tasks k
+                                         WHERE k.name = task AND NOT k.per_key))
     WHERE id = %(id)s AND status IN ('dead', 'cancelled')
     RETURNING queue
 )
@@ -337,7 +342,8 @@ WHERE {job_filter}
 -- One batch of a bulk action: up to %(batch)s matching jobs after id %(after)s, in id order,
 -- locked without waiting (a job being claimed or acked right now is skipped: the action's next
 -- run takes it), then changed by the action (the requeued, cancelled or purged step; the others
--- change nothing; a purged job's attempts go with it) and counted into the audit row, all in
+-- change nothing; a purged job's attempts go with it; a requeued job's limit group as in
+-- requeue_job) and counted into the audit row, all in
 -- one short transaction: an interrupted action leaves every batch it finished done and
 -- recorded, and no lock held. Returns the last id looked at and how
 -- many changed; the caller goes on after that id until a batch comes back short.
@@ -350,7 +356,9 @@ WITH picked AS (
 ), requeued AS (
     UPDATE {schema}.pgqueue_jobs j
     SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL, claimed_at = NULL,
-        started_at = NULL, result = NULL, cancel_requested_at = NULL, progress = NULL
+        started_at = NULL, result = NULL, cancel_requested_at = NULL, progress = NULL,
+        limit_key = COALESCE(j.limit_key, (SELECT '' FROM {schema}.pgqueue_tasks k
+                                           WHERE k.name = j.task AND NOT k.per_key))
     FROM picked p WHERE j.id = p.id AND %(action)s = 'requeue'
     RETURNING j.id, j.queue
 ), cancelled AS (

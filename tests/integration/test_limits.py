@@ -856,3 +856,23 @@ async def test_a_limited_queue_hands_no_slot_to_a_job_of_a_limited_task_without_
         "SELECT status::text, limit_key, attempts FROM pgqueue_jobs WHERE id = %s", inserted
     ).fetchone()
     assert row == ("succeeded", "", 1)
+
+
+@pytest.mark.parametrize("how", ["one", "bulk"])
+def test_a_requeued_job_of_a_task_limited_since_it_died_gets_its_group(
+    app: pgqueue.App, conn: Conn, how: str
+) -> None:
+    """A dead job waits for no pass that gives a newly limited task's jobs their group (those
+    look at waiting jobs). Requeued after an operator limited its task, it gets the task's group
+    '' with its fresh attempts, and runs under the limit like the task's other jobs."""
+    app.enqueue_many([("remote", {}), ("remote", {})], allow_unknown=True)
+    conn.execute("UPDATE pgqueue_jobs SET status = 'dead', finished_at = now()")
+    app.limit_task("remote", limit=1)
+    first, second = sorted(groups_of(conn))
+    assert groups_of(conn) == {first: None, second: None}
+    if how == "one":
+        assert app.requeue(first)
+        assert groups_of(conn) == {first: "", second: None}
+    else:
+        assert app.requeue_jobs(task="remote") == 2
+        assert groups_of(conn) == {first: "", second: ""}
