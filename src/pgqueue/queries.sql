@@ -1531,6 +1531,27 @@ WHERE NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 1)
 DELETE FROM {schema}.pgqueue_workers
 WHERE last_heartbeat_at < now() - make_interval(secs => %(older_than)s)
 
+-- name: prune_rates
+-- Rate logs that count for nothing: the newest entry has left the period, judged by the longer
+-- of the row's own period and the one its task or queue has now (a rate whose period was raised
+-- since the row was written still counts its entries, as the claim's window does; a group's
+-- name starts with its task's, see limits.group_name). A per-key rate writes one row per key,
+-- so a key that went quiet would keep its row for ever. A row being written right now is
+-- skipped (SKIP LOCKED); the claim that writes a pruned group's row again inserts it anew (ON
+-- CONFLICT in claim_limited_jobs). In batches.
+DELETE FROM {schema}.pgqueue_rates
+WHERE name = ANY(ARRAY(
+    SELECT r.name FROM {schema}.pgqueue_rates r
+    WHERE r.times[cardinality(r.times)] < now() - make_interval(secs => greatest(
+              r.period,
+              (SELECT max(t.rate_period) FROM {schema}.pgqueue_tasks t
+               WHERE starts_with(r.name, 't:' || length(t.name) || ':' || t.name || ':')),
+              (SELECT q.rate_period FROM {schema}.pgqueue_queues q
+               WHERE starts_with(r.name, 'q:') AND q.name = substr(r.name, 3))))
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+))
+
 -- name: prune_finished_jobs
 -- Keeps the hot table small: finished jobs past their retention go, at most %(batch)s per
 -- statement (the reaper loops, with a time budget per round). Rendered twice (sql.VARIANTS):

@@ -214,6 +214,7 @@ class Queries:
     expire_leases: bytes
     wake_waiting_workers: bytes
     prune_workers: bytes
+    prune_rates: bytes
     prune_finished_jobs: bytes
     prune_dead_jobs: bytes
     archive_finished_jobs: bytes

@@ -313,3 +313,34 @@ def test_the_cli_takes_retention_flags_and_their_variables(
                "--retention", "soon"],
     )  # fmt: skip
     assert bad.exit_code != 0 and "--retention 'soon'" in bad.output
+
+
+def test_rate_logs_that_count_for_nothing_are_pruned(app: pgqueue.App, conn: Conn) -> None:
+    """A per-key rate writes a row per key into pgqueue_rates; a key that goes quiet kept its row
+    for ever (a table growing with every user ever rate-limited). The prune drops a row once its
+    newest entry has left its period, judged by the longer of the row's and the one its task or
+    queue has now (a period raised since the row was written must still see it), and never one
+    that still counts."""
+    conn.execute(
+        "INSERT INTO pgqueue_tasks (name, rate_limit, rate_period) VALUES ('fast', 5, 60),"
+        " ('slow', 1, 600), ('slow:k', 1, 60)"
+    )
+    conn.execute("INSERT INTO pgqueue_queues (name, rate_limit, rate_period) VALUES ('api', 1, 600)")
+    logs = {
+        "t:4:fast:quiet": (60, 120),  # period 60 s, newest entry 2 min old: counts for nothing
+        "t:4:fast:busy": (60, 10),  # 10 s old: still in its window
+        "t:4:slow:k": (60, 300),  # written with 60 s, but its task's rate is 10 min now
+        "t:6:slow:k:x": (60, 300),  # task 'slow:k' (60 s), not 'slow': goes
+        "q:api": (60, 300),  # the queue's rate is 10 min now
+        "q:old": (60, 900),  # a queue without a rate now: goes
+    }
+    for name, (period, age) in logs.items():
+        conn.execute(
+            "INSERT INTO pgqueue_rates (name, period, times, counts) VALUES (%s, %s,"
+            " ARRAY[now() - make_interval(secs => %s + 5), now() - make_interval(secs => %s)],"
+            " ARRAY[1, 1])",
+            (name, period, age, age),
+        )
+    prune(app)
+    kept = {r[0] for r in conn.execute("SELECT name FROM pgqueue_rates").fetchall()}
+    assert kept == {"t:4:fast:busy", "t:4:slow:k", "q:api"}

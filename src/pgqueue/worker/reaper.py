@@ -3,7 +3,8 @@
 Finished jobs past their retention leave ``pgqueue_jobs`` in batches of ``batch`` rows, each
 its own short statement, for at most ``PRUNE_BUDGET`` seconds per prune: deleted, or moved to
 ``pgqueue_jobs_archive`` with ``archive``. Succeeded and cancelled jobs follow ``retention``,
-dead ones ``dead_retention`` (None: kept until requeued or deleted).
+dead ones ``dead_retention`` (None: kept until requeued or deleted). Rate logs whose entries all
+left their period go too (``prune_rates``), so per-key rates keep no row per key gone quiet.
 
 Every worker runs one; there is no leader. Each worker reaps every ``interval``, whatever the
 fleet's size: that is what bounds recovery (a crashed worker's jobs are claimable again within
@@ -145,6 +146,11 @@ class Reaper:
                 pruned += cur.rowcount
                 if cur.rowcount < self.batch or loop.time() >= deadline:
                     break
+        while loop.time() < deadline:  # rate logs of groups gone quiet (not counted: no jobs)
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(q.prune_rates, {"batch": self.batch})
+            if cur.rowcount < self.batch:
+                break
         return pruned
 
     def prune_every(self) -> float:
