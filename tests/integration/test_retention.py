@@ -325,7 +325,9 @@ def test_rate_logs_that_count_for_nothing_are_pruned(app: pgqueue.App, conn: Con
         "INSERT INTO pgqueue_tasks (name, rate_limit, rate_period) VALUES ('fast', 5, 60),"
         " ('slow', 1, 600), ('slow:k', 1, 60)"
     )
-    conn.execute("INSERT INTO pgqueue_queues (name, rate_limit, rate_period) VALUES ('api', 1, 600)")
+    conn.execute(
+        "INSERT INTO pgqueue_queues (name, rate_limit, rate_period) VALUES ('api', 1, 600)"
+    )
     logs = {
         "t:4:fast:quiet": (60, 120),  # period 60 s, newest entry 2 min old: counts for nothing
         "t:4:fast:busy": (60, 10),  # 10 s old: still in its window
