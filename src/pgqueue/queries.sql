@@ -343,8 +343,7 @@ WHERE {job_filter}
 -- locked without waiting (a job being claimed or acked right now is skipped: the action's next
 -- run takes it), then changed by the action (the requeued, cancelled or purged step; the others
 -- change nothing; a purged job's attempts go with it; a requeued job's limit group as in
--- requeue_job) and counted into the audit row, all in
--- one short transaction: an interrupted action leaves every batch it finished done and
+-- requeue_job) and counted into the audit row, all in one short transaction: an interrupted action leaves every batch it finished done and
 -- recorded, and no lock held. Returns the last id looked at and how
 -- many changed; the caller goes on after that id until a batch comes back short.
 WITH picked AS (
@@ -582,7 +581,8 @@ WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('queued', 'retrying') AND limit
 -- parse ~1.5. `stray` says the job's task has a limit or a rate in pgqueue_tasks: such a job
 -- here has no limit group (a lock kept it out of every pass that gives one, or an operator set
 -- the limit on a task the worker's code leaves unlimited), and the worker gives it back with
--- one (regroup_leases). The list is another InitPlan: one read of that small table per claim. Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
+-- one (regroup_leases). The list is another InitPlan: one read of that small table per claim.
+-- Rendered twice (sql.VARIANTS): as claim_jobs with queue_filter empty, and as
 -- claim_jobs_in_queues restricted to a list of queues, which for a single queue reads
 -- pgqueue_jobs_ready_queue_idx in order (its custom plan folds `queue = (queues)[1]` into an
 -- equality). Both are rendered again as the fetcher's sweep behind claim_jobs_after's bound,
@@ -1356,9 +1356,10 @@ RETURNING j.id, j.queue
 -- name: regroup_leases
 -- A claim took jobs of a limited task (declared by this worker, or limited in pgqueue_tasks:
 -- the claim's `stray`) that have no limit group: each was locked through every pass that gives
--- waiting jobs their group (limits.stamp_skipped gave up), or was claimed before the worker's own
--- pass reached it. They go back waiting with their group
--- (computed by the worker), attempt uncounted, for the limited claim to take under the limit.
+-- waiting jobs their group (limits.stamp_skipped gave up), was claimed before the worker's own
+-- pass reached it, or was requeued or released by its parents after those passes. They go back
+-- waiting with their group (computed by the worker; '' when its code does not declare the
+-- limit), attempt uncounted, for the limited claim to take under the limit.
 -- Fenced like release_leases; a row locked right now is skipped, and its job runs here.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
