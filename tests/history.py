@@ -26,24 +26,21 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
 from pgqueue import JobContext
+from pgqueue.worker.transactions import _connection_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 _pool: AsyncConnectionPool[psycopg.AsyncConnection[tuple[Any, ...]]] | None = None
-#: ``record`` asks for a connection again after this many seconds, and gives up after
-#: RECORD_WAIT (a handler's run in the fault suite is far shorter).
-RECORD_ACQUIRE_STEP = 4.0
-RECORD_WAIT = 300.0
 
 
 async def record(dsn: str, ctx: JobContext, event: str) -> None:
     """Called by handlers in worker processes: one history row, on a pool of this process's
-    own (never the worker's), committed at once. It asks the pool for a connection again every
-    few seconds rather than failing after psycopg_pool's 30 s, as the worker's handler pools do
-    (pgqueue.worker.transactions.ACQUIRE_STEP): in `make chaos` (handoff, seed 10011788) a
+    own (never the worker's), committed at once. It takes the connection as the worker's
+    handler pools do (transactions._connection_async: asking again every few seconds rather
+    than failing after psycopg_pool's 30 s): in `make chaos` (handoff, seed 10011788) a
     worker SIGSTOPped twice had every handler of its next claim fail in this call with
     PoolTimeout after 30 s, a failure of the harness that the checks counted against pgqueue
     (duplicate executions without a lost lease)."""
@@ -53,24 +50,12 @@ async def record(dsn: str, ctx: JobContext, event: str) -> None:
             dsn, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
         )
         await _pool.open()
-    waited = 0.0
-    while True:
-        try:
-            conn = await _pool.getconn(timeout=RECORD_ACQUIRE_STEP)
-            break
-        except PoolTimeout:
-            waited += RECORD_ACQUIRE_STEP
-            if waited >= RECORD_WAIT:
-                raise
-    try:
-        async with conn:
-            await conn.execute(
-                "INSERT INTO history_runs (job_id, attempt, lease_token, pid, event)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                (ctx.job_id, ctx.attempt, ctx.lease_token, os.getpid(), event),
-            )
-    finally:
-        await _pool.putconn(conn)
+    async with _connection_async(_pool) as conn:
+        await conn.execute(
+            "INSERT INTO history_runs (job_id, attempt, lease_token, pid, event)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            (ctx.job_id, ctx.attempt, ctx.lease_token, os.getpid(), event),
+        )
 
 
 INSTALL = """

@@ -162,6 +162,15 @@ class TaskLimits:
             )
         return text
 
+    def waiting_group(self, task: str, args: Mapping[str, Any] | None) -> str:
+        """The group of a job written without one (stamped after a declaration, given back by
+        a claim, fired by a schedule): ``group``, or '' when the key cannot be computed, so
+        such a job is limited with the others it cannot be told from, never left unlimited."""
+        try:
+            return self.group(task, args)
+        except InvalidJobError:
+            return ""
+
 
 # --- worker start: declarations ------------------------------------------------------------
 
@@ -215,10 +224,7 @@ async def stamp_waiting(
             return stamped, skipped
         groups: Groups = {}
         for job_id, args in rows:
-            try:
-                groups[job_id] = "" if limits is None else limits.group(task, json.loads(args))
-            except InvalidJobError:
-                groups[job_id] = ""  # a job the key cannot be computed for shares the '' group
+            groups[job_id] = "" if limits is None else limits.waiting_group(task, json.loads(args))
         done, left = await stamp_again(conn, q, groups)
         stamped += done
         skipped.update(left)

@@ -68,7 +68,6 @@ from uuid import UUID, uuid4
 
 import psycopg
 
-from ..errors import InvalidJobError
 from ..limits import TaskLimits, group_name
 from ..sql import Queries
 from . import arrays
@@ -656,10 +655,8 @@ class Fetcher:
         names = {job.task for job in jobs}
         if not self.tasks.keys() >= names:
             jobs = await self._hand_back_unknown(conn, jobs)
-        if any(row[7] for row in rows) or (
-            self.declared and not self.declared.keys().isdisjoint(names)
-        ):
-            flagged = {row[0] for row in rows if row[7]}
+        flagged = {row[0] for row in rows if row[7]}
+        if flagged or (self.declared and not self.declared.keys().isdisjoint(names)):
             strays = [j for j in jobs if j.task in self.declared or j.id in flagged]
             if strays:
                 jobs = await self._regroup(conn, jobs, strays)
@@ -672,13 +669,11 @@ class Fetcher:
         their group, for the limited claim; returns the jobs of ``jobs`` to run here. A task
         the worker does not declare limited has no key function here: its jobs go in the group
         '' (the task's group when its limit is task-wide, as the operator's are)."""
-        keys: list[str] = []
-        for job in strays:
-            declared = self.declared.get(job.task)
-            try:
-                keys.append("" if declared is None else declared.group(job.task, job.args))
-            except InvalidJobError:
-                keys.append("")  # as limits.stamp_waiting: such a job shares the '' group
+        keys = [
+            "" if (declared := self.declared.get(job.task)) is None
+            else declared.waiting_group(job.task, job.args)
+            for job in strays
+        ]  # fmt: skip
         cur = await conn.execute(
             self.q.regroup_leases,
             {

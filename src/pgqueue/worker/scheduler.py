@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from ..errors import InvalidJobError
 from ..schedules import MissedPolicy, due_ticks, next_tick
 from .connections import Connections
 from .outage import Outage
@@ -191,10 +190,7 @@ class Scheduler:
         spec = self.app.tasks.get(task)
         if spec is None or spec.limits is None:
             return None
-        try:
-            return spec.limits.group(task, json.loads(args))
-        except InvalidJobError:
-            return ""  # as limits.stamp_waiting: such a job shares the '' group
+        return spec.limits.waiting_group(task, json.loads(args))
 
     async def seconds_until_due(self, conn: psycopg.AsyncConnection[Any]) -> float | None:
         """Seconds until the earliest live schedule is due, by the database clock."""
