@@ -78,6 +78,41 @@ def limited_claim_params(
     }  # fmt: skip
 
 
+def head_claim(
+    conn: psycopg.Connection[Any],
+    worker: uuid.UUID,
+    tasks: list[str],
+    limit: int,
+    queues: list[str] | None = None,
+) -> list[Any]:
+    """The limited claim from the head of the queue as Fetcher.claim_head makes it (the same
+    statements in one transaction, a group's first row kept), on an autocommit ``conn``: the
+    claimed rows."""
+    q = queries("public")
+    with conn.transaction():
+        conn.execute(q.begin_limited_claim)
+        conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+        found = conn.execute(
+            q.lock_head_groups,
+            {"schema": "public", "queues": queues, "tasks": tasks, "scan": 2 * limit},
+        ).fetchall()
+        seen: set[tuple[str, str]] = set()
+        ids: list[int] = []
+        keys: list[str] = []
+        for job_id, task, key, locked in found:
+            if (task, key) not in seen:
+                seen.add((task, key))
+                if locked and len(ids) < limit:
+                    ids.append(job_id)
+                    keys.append(key)
+        if not ids:
+            return []
+        return conn.execute(
+            q.claim_head_jobs,
+            {"worker_id": worker, "token": uuid.uuid4(), "ids": ids, "keys": keys},
+        ).fetchall()
+
+
 def give_lease_away(conn: psycopg.Connection[Any], job_id: int) -> uuid.UUID:
     """Another holder takes the job over (as after a reap and a re-claim elsewhere): its new
     lease token, which the old holder's writes no longer match."""

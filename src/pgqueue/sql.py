@@ -194,6 +194,8 @@ class Queries:
     limit_claim_settings: bytes
     lock_limit_groups: bytes
     claim_limited_jobs: bytes
+    lock_head_groups: bytes
+    claim_head_jobs: bytes
     next_ready_at: bytes
     next_ready_at_in_queues: bytes
     complete_jobs: bytes

@@ -69,7 +69,28 @@ def _limited_claim(c: Conn, worker: uuid.UUID, tasks: list[str]) -> list[dict[st
     return [first, second]
 
 
-@pytest.mark.parametrize("limit", ["queue", "key"])
+def _head_claim(c: Conn, worker: uuid.UUID, tasks: list[str]) -> list[dict[str, Any]]:
+    """The fetcher's limited claim from the head of the queue (Fetcher.claim_head), each
+    statement explained; returns both plans."""
+    q = queries("public")
+    begin_limited_claim(c, tasks)  # the transaction and its settings (and a walk, unexplained)
+    try:
+        head = {"schema": "public", "queues": None, "tasks": tasks, "scan": 200}
+        first = _explained(c, q.lock_head_groups, head)
+        found = c.execute(q.lock_head_groups, head).fetchall()
+        groups: dict[str, int] = {}
+        for job_id, _, key, locked in found:
+            if locked:
+                groups.setdefault(key, job_id)
+        claim = {"worker_id": worker, "token": uuid.uuid4(), "ids": list(groups.values()),
+                 "keys": list(groups)}  # fmt: skip
+        second = _explained(c, q.claim_head_jobs, claim)
+    finally:
+        c.execute("COMMIT")
+    return [first, second]
+
+
+@pytest.mark.parametrize("limit", ["queue", "key", "head"])
 def test_a_limited_claim_steps_over_the_jobs_that_ran_since_the_last_vacuum(
     app: pgqueue.App, conn: Conn, limit: str
 ) -> None:
@@ -87,6 +108,12 @@ def test_a_limited_claim_steps_over_the_jobs_that_ran_since_the_last_vacuum(
     else:
         app.enqueue_many([("keyed", {"n": n}) for n in range(JOBS)])
         tasks = ["keyed"]
+    if limit == "head":  # the task's limit as its workers declare it (the head reads it)
+        conn.execute(
+            queries("public").declare_task_limits,
+            {"names": ["keyed"], "limits": [1], "rate_limits": [None], "rate_periods": [None],
+             "per_keys": [True]},
+        )  # fmt: skip
     worker = uuid.uuid4()
     register_worker(conn, worker, lease=300)
     # RAN jobs run and finish, each leaving a dead version behind its entries in the running
@@ -104,10 +131,11 @@ def test_a_limited_claim_steps_over_the_jobs_that_ran_since_the_last_vacuum(
             "UPDATE pgqueue_jobs SET status = 'succeeded', finished_at = now()"
             " WHERE status = 'running'"
         )
+    claim = _head_claim if limit == "head" else _limited_claim
     with psycopg.connect(conn.info.dsn, autocommit=True) as c:
-        _limited_claim(c, worker, tasks)
+        claim(c, worker, tasks)
         c.execute("UPDATE pgqueue_jobs SET status = 'queued' WHERE status = 'running'")
-        plans = _limited_claim(c, worker, tasks)
+        plans = claim(c, worker, tasks)
     nodes = [node for plan in plans for node in _nodes(plan)]
     whole = [f"{n['Node Type']} ({n.get('Index Name', 'the table')})" for n in nodes
              if n["Node Type"] in ("Bitmap Heap Scan", "Seq Scan")
@@ -120,3 +148,38 @@ def test_a_limited_claim_steps_over_the_jobs_that_ran_since_the_last_vacuum(
     counted = sum(n["Shared Hit Blocks"] + n["Shared Read Blocks"] for n in nodes
                   if n.get("Index Name") in RUNNING_INDEXES)  # fmt: skip
     assert counted < 200, f"the counts of running jobs read {counted} pages"
+
+
+@pytest.mark.parametrize("analyzed", [False, True])
+def test_a_claim_from_the_head_reaches_its_jobs_by_primary_key(
+    app: pgqueue.App, conn: Conn, analyzed: bool
+) -> None:
+    """claim_head_jobs is given the ids of the jobs it may take: one probe of the primary key
+    each, whatever the statistics. Planned as a join of the ids with the table, it read every
+    waiting job (a drain's fresh table, never analyzed: 30,000 entries of
+    pgqueue_jobs_ready_queue_idx, 11 ms of a 14 ms claim of 100)."""
+
+    @app.task(name="keyed", limit=1, limit_key=lambda args: args["n"] % 100)
+    async def keyed(n: int) -> None: ...
+
+    q = queries("public")
+    conn.execute("ALTER TABLE pgqueue_jobs SET (autovacuum_enabled = false)")
+    app.enqueue_many([("keyed", {"n": n}) for n in range(JOBS)])
+    if analyzed:
+        conn.execute("ANALYZE pgqueue_jobs")
+    conn.execute(
+        q.declare_task_limits,
+        {"names": ["keyed"], "limits": [1], "rate_limits": [None], "rate_periods": [None],
+         "per_keys": [True]},
+    )  # fmt: skip
+    worker = uuid.uuid4()
+    register_worker(conn, worker, lease=300)
+    with psycopg.connect(conn.info.dsn, autocommit=True) as c:
+        plans = _head_claim(c, worker, ["keyed"])
+    assert plans[1]["Actual Rows"] == 100  # it claimed
+    read = {
+        n.get("Index Name", n["Node Type"])
+        for n in _nodes(plans[1])
+        if n.get("Relation Name") == "pgqueue_jobs" and n["Node Type"] != "ModifyTable"
+    }
+    assert read - set(RUNNING_INDEXES) == {"pgqueue_jobs_pkey"}, read

@@ -24,8 +24,10 @@ from pgqueue import limits
 from pgqueue.errors import ConfigurationError, InvalidJobError
 from pgqueue.limits import Rate, parse_rate
 from pgqueue.sql import queries
+from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS, Fetcher
 from tests.helpers import (
     begin_limited_claim,
+    head_claim,
     limited_claim_params,
     register_worker,
     running_worker,
@@ -876,3 +878,141 @@ def test_a_requeued_job_of_a_task_limited_since_it_died_gets_its_group(
     else:
         assert app.requeue_jobs(task="remote") == 2
         assert groups_of(conn) == {first: "", second: ""}
+
+
+def _insert(conn: Conn, rows: list[tuple[str, str | None, str, str]]) -> list[int]:
+    """Jobs (task, limit group, queue, status), in this order: their ids."""
+    return [
+        int(conn.execute(
+            "INSERT INTO pgqueue_jobs (queue, task, args, limit_key, status) VALUES"
+            " (%s, %s, '{}', %s, %s::pgqueue_status) RETURNING id",
+            (queue, task, key, status),
+        ).fetchall()[0][0])
+        for task, key, queue, status in rows
+    ]  # fmt: skip
+
+
+def test_a_claim_from_the_head_takes_the_first_job_of_each_free_group_and_leaves_the_rest(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The limited claim's fast path (lock_head_groups, claim_head_jobs) reads the first jobs in
+    claim order: of those it takes only what the walk's claim would, one job per group."""
+    app.limit_task("keyed", limit=1)
+    app.limit_task("pair", limit=2)
+    app.limit_task("rated", limit=5, rate="100/s")
+    app.limit_task("theirs", limit=5)
+    app.limit_queue("narrow", limit=5)
+    app.pause_queue("stopped")
+    worker = uuid.uuid4()
+    register_worker(conn, worker)
+    ids = _insert(conn, [
+        ("keyed", "a", "default", "queued"),     # 0: taken, the first of group a
+        ("keyed", "a", "default", "queued"),     # 1: its group's second
+        ("keyed", "b", "default", "running"),    # 2: group b's slot, held
+        ("keyed", "b", "default", "queued"),     # 3: group b is full
+        ("keyed", "c", "default", "queued"),     # 4: not due (below)
+        ("keyed", "d", "narrow", "queued"),      # 5: a limited queue's: the walk's
+        ("keyed", "e", "stopped", "queued"),     # 6: a paused queue's
+        ("rated", "x", "default", "queued"),     # 7: a rated task's: the walk's
+        ("theirs", "y", "default", "queued"),    # 8: a task this worker does not run
+        ("plain", None, "default", "queued"),    # 9: no group: the plain claim's
+        ("pair", "p", "default", "running"),     # 10: one of group p's two slots
+        ("pair", "p", "default", "retrying"),    # 11: taken, p has a slot left
+        ("pair", "p", "default", "queued"),      # 12: its group's second
+        ("keyed", "f", "other", "queued"),       # 13: taken
+    ])  # fmt: skip
+    conn.execute(
+        "UPDATE pgqueue_jobs SET run_at = now() + interval '1 hour' WHERE id = %s", (ids[4],)
+    )
+    tasks = ["keyed", "pair", "rated", "plain"]
+    claimed = head_claim(conn, worker, tasks, limit=10)
+    assert sorted(row[0] for row in claimed) == [ids[0], ids[11], ids[13]]
+    assert {(row[2], row[7]) for row in claimed} == {("keyed", "a"), ("pair", "p"), ("keyed", "f")}
+    # The groups are full now, and the rest is for the walk (or nobody): nothing more.
+    assert head_claim(conn, worker, tasks, limit=10) == []
+    # A worker serving a list of queues takes only from those.
+    conn.execute("UPDATE pgqueue_jobs SET status = 'succeeded' WHERE id = ANY(%s)", (ids[:1],))
+    assert head_claim(conn, worker, tasks, limit=10, queues=["other"]) == []
+    assert [row[0] for row in head_claim(conn, worker, tasks, limit=10, queues=["default"])] == [
+        ids[1]
+    ]
+
+
+def test_a_claim_from_the_head_counts_its_groups_slots_again_after_their_locks(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """The head's first statement sees a free slot and locks the group; a job of the group
+    that started since (the count's snapshot is the claim statement's, newer than the lock)
+    leaves the claim nothing in it."""
+    q = queries("public")
+    app.limit_task("keyed", limit=1)
+    worker = uuid.uuid4()
+    register_worker(conn, worker)
+    first, second = _insert(conn, [("keyed", "a", "default", "queued")] * 2)
+    with psycopg.connect(conn.info.dsn, autocommit=True) as c, c.transaction():
+        c.execute(q.begin_limited_claim)
+        c.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+        found = c.execute(
+            q.lock_head_groups,
+            {"schema": "public", "queues": None, "tasks": ["keyed"], "scan": 10},
+        ).fetchall()
+        assert [(row[0], row[3]) for row in found] == [(first, True), (second, True)]
+        conn.execute("UPDATE pgqueue_jobs SET status = 'running' WHERE id = %s", (second,))
+        rows = c.execute(
+            q.claim_head_jobs,
+            {"worker_id": worker, "token": uuid.uuid4(), "ids": [first], "keys": ["a"]},
+        ).fetchall()
+    assert rows == []
+    assert statuses(conn) == {"queued": 1, "running": 1}
+
+
+async def test_claims_from_the_head_racing_across_workers_never_exceed_a_limit_per_key(
+    app: pgqueue.App, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three workers drain tenants whose jobs alternate (the head of the queue holds a job of
+    every tenant, so claims take them from there) while their claims and acks overlap: never two
+    jobs of a tenant at once, and every job runs once."""
+    tracker = Tracker()
+    from_head: list[int] = []
+    claim_head = Fetcher.claim_head
+
+    async def counted(self: Fetcher, limit: int) -> list[Any]:
+        jobs = await claim_head(self, limit)
+        from_head.append(len(jobs))
+        return jobs
+
+    monkeypatch.setattr(Fetcher, "claim_head", counted)
+
+    @app.task(limit=1, limit_key=lambda args: args["tenant"])
+    async def sync(tenant: int, n: int) -> None:
+        await tracker.hold(str(tenant), n, 0.002)
+
+    app.enqueue_many([("sync", {"tenant": n % 12, "n": n}) for n in range(360)])
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(3):
+            await stack.enter_async_context(running_worker(app, concurrency=4, prefetch=2, **FAST))
+        await wait_until_async(lambda: len(tracker.done) == 360, timeout=120)
+    assert sum(from_head) > 0  # the head gave jobs: this is its test
+    assert set(tracker.peak.values()) == {1}
+    assert sorted(n for _, n in tracker.done) == list(range(360))
+    assert statuses(conn) == {"succeeded": 360}
+
+
+async def test_a_tenant_behind_a_backlog_of_free_tenants_gets_its_turn_from_the_walk(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """Claims from the head take tenants in the order their jobs wait; a tenant whose jobs
+    wait behind 2,000 of 100 other tenants (every one with a free slot, so the head never runs
+    dry) still gets its turn from the walks between them (round-robin, in key order: its key
+    sorts last), long before the backlog ahead of it is done."""
+    order: list[str] = []
+
+    @app.task(limit=1, limit_key=lambda args: args["tenant"])
+    async def work(tenant: str, n: int) -> None:
+        order.append(tenant)
+
+    app.enqueue_many([("work", {"tenant": f"t{n % 100:03}", "n": n}) for n in range(2000)])
+    app.enqueue_many([("work", {"tenant": "zz", "n": n}) for n in range(3)])
+    async with running_worker(app, concurrency=4, prefetch=4, **FAST):
+        await wait_until_async(lambda: order.count("zz") == 3, timeout=120)
+    assert order.index("zz") < 1000

@@ -48,7 +48,9 @@ back at once without counting the attempt, and from then on the worker claims on
 such jobs wait, untouched, for a worker that knows them.
 
 Jobs under a limit or a rate (concepts/limits.md) are left out of those claims and taken by the
-limited claim (``claim_limited``), which next_ready_at says is needed. A round then runs both
+limited claim (``claim_limited``), which next_ready_at says is needed: from the head of the
+queue while its first jobs are of groups with room (``claim_head``), else and regularly by the
+walk over the groups (``claim_walk``), which gives every group its turn. A round then runs both
 claims, the limited one first every other round, so neither kind of job waits on the other.
 A claim that came back short is not repeated until something may have changed (a notification,
 a slot freed by one of this worker's limited jobs, the poll) or ``DRY_FOR`` has passed: jobs of
@@ -91,6 +93,14 @@ LIMIT_SCAN_FACTOR = 2.0
 LIMIT_SCAN_MARGIN = 1.25
 LIMIT_SCAN_MIN = 16
 LIMIT_SCAN_MAX = 1000
+#: The limited claim tries the head of the queue first (claim_head, reading HEAD_SCAN_FACTOR
+#: waiting jobs in claim order per job it wants), but every HEAD_WALK_EVERY-th claim walks the
+#: groups (round-robin: every group gets its turn, and rated groups, limited queues and jobs
+#: deep in the backlog are the walk's), and so do the HEAD_COOL claims after a head that gave
+#: less than half of what it was asked for (its first jobs' groups are full).
+HEAD_SCAN_FACTOR = 2
+HEAD_WALK_EVERY = 4
+HEAD_COOL = 8
 #: The limited claim's session ends if it stalls this long inside its transaction (milliseconds).
 LIMIT_CLAIM_IDLE_MS = "5000"
 #: Seconds a stopping fetcher waits for its looks beside the claims to end once cancelled.
@@ -218,6 +228,11 @@ class Fetcher:
         self._plain_changes = 0
         self._limited_changes = 0
         self._limited_first = False
+        #: Limited claims made, and the first one that may try the head again (claim_limited);
+        #: whether the last walk locked a limit group (else the head has none to give).
+        self._limited_claims = 0
+        self._head_after = 0
+        self._groups_seen = False
         self._busy_retry = LIMIT_BUSY_RETRY
         #: The worker's own tasks (the limited claim only takes those: no hand-backs).
         self._task_names = sorted(tasks)
@@ -341,6 +356,76 @@ class Fetcher:
         self.state.wakeup.set()
 
     async def claim_limited(self, limit: int) -> list[ClaimedJob]:
+        """Jobs under limits: from the head of the queue when it has them (claim_head), and
+        by the walk over the groups (claim_walk) for what that left, every HEAD_WALK_EVERY-th
+        claim, and while the head came back short lately."""
+        self._limited_claims += 1
+        if (
+            not self._groups_seen
+            or self._limited_claims % HEAD_WALK_EVERY == 0
+            or self._limited_claims < self._head_after
+        ):
+            return await self.claim_walk(limit)
+        jobs = await self.claim_head(limit)
+        if len(jobs) * 2 < limit:
+            # The head is blocked (groups at their limit, rated tasks, limited queues, jobs
+            # not due): the walk, now and for a while, which reads past none of those.
+            self._head_after = self._limited_claims + HEAD_COOL
+            jobs += await self.claim_walk(limit - len(jobs))
+        return jobs
+
+    async def claim_head(self, limit: int) -> list[ClaimedJob]:
+        """Jobs of free limit groups at the head of the queue (lock_head_groups, then
+        claim_head_jobs, one transaction): one range read of the ready index instead of a
+        descent per group, for a backlog whose first jobs can run."""
+        token = uuid4()
+        q = self.q
+        rows: list[Any] = []
+        claim: psycopg.AsyncCursor[Any] | None = None
+        async with self.pool.connection() as conn:
+            self._claim_sent = asyncio.get_running_loop().time()
+            # As claim_walk's: two round trips, the claim's snapshot newer than the locks.
+            async with conn.pipeline(), conn.transaction():
+                await conn.execute(q.begin_limited_claim)
+                await conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+                cur = await conn.execute(
+                    q.lock_head_groups,
+                    {
+                        "schema": self.schema,
+                        "queues": self.queues,
+                        "tasks": self.only_tasks or self._task_names,
+                        "scan": min(HEAD_SCAN_FACTOR * limit, LIMIT_SCAN_MAX),
+                    },
+                )
+                ids: list[int] = []
+                keys: list[str] = []
+                seen: set[tuple[str, str]] = set()
+                for job_id, task, key, locked in await cur.fetchall():
+                    if (task, key) in seen:
+                        continue  # the group's first job only (see lock_head_groups)
+                    seen.add((task, key))
+                    if locked:
+                        ids.append(job_id)
+                        keys.append(key)
+                        if len(ids) == limit:
+                            break
+                if ids:
+                    arrays.register(conn)
+                    claim = await conn.execute(
+                        q.claim_head_jobs,
+                        {
+                            "worker_id": self.worker_id,
+                            "token": token,
+                            "ids": arrays.int8_array(ids),
+                            "keys": arrays.utf8_texts(conn, keys),
+                        },
+                    )
+            if claim is not None:  # its rows arrived with the COMMIT's
+                rows = await claim.fetchall()
+        self.claims += 1
+        return self._jobs(rows, token, limited=True)
+
+    async def claim_walk(self, limit: int) -> list[ClaimedJob]:
         """Jobs under limits (lock_limit_groups, then claim_limited_jobs, one transaction)."""
         token = uuid4()
         q = self.q
@@ -400,6 +485,7 @@ class Fetcher:
                         g_keys.append(key)
                     elif rate_wait is not None:
                         wait = rate_wait if wait is None else min(wait, rate_wait)
+                self._groups_seen = bool(g_tasks)
                 if g_tasks or lq:
                     arrays.register(conn)
                     names = [group_name(t, k) for t, k in zip(g_tasks, g_keys, strict=True)]
