@@ -99,8 +99,8 @@ def head_claim(
         seen: set[tuple[str, str]] = set()
         ids: list[int] = []
         keys: list[str] = []
-        for job_id, task, key, locked in found:
-            if (task, key) not in seen:
+        for job_id, task, key, locked, room in found:
+            if room is not None and (task, key) not in seen:
                 seen.add((task, key))
                 if locked and len(ids) < limit:
                     ids.append(job_id)

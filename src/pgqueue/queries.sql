@@ -1115,14 +1115,16 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- The limited claim's fast path (concepts/limits.md, "The head of the queue"), its first
 -- statement, in the transaction of begin_limited_claim and limit_claim_settings like the walk's:
 -- the first %(scan)s waiting jobs in claim order (pgqueue_jobs_ready_idx, one range read, no
--- descent per group), and of those that are due, of a task this worker runs, in a queue it
--- serves that has no limits and is not paused, and in a limit group of a task with a concurrency limit and no rate,
--- each job whose group has a free slot by this statement's snapshot locks its group (the walk's
--- lock: one claimer at a time counts a group's slots); claim_head_jobs counts again with its own
--- snapshot, newer than the lock. Rows in claim order; a group's later rows lock it again (an
--- advisory lock is counted, not refused, in its own transaction), and the worker keeps the first
--- job of each group: the batch takes every group's first job before any group's second, as the
--- walk's does. Slots and limits are looked up by name in two jsonb objects, each built once.
+-- descent per group), and of those the due jobs with a limit group, of a task this worker runs,
+-- in a queue it serves that is not paused. The head serves a job of a task with a concurrency
+-- limit and no rate, in a queue without limits, and returns its group's free slots (`room`, by
+-- this statement's snapshot); the others (room NULL) are the walk's, which the worker then runs
+-- too. A job the head serves whose group has room locks its group (the walk's lock: one claimer at a time counts a group's slots);
+-- claim_head_jobs counts again with its own snapshot, newer than the lock. Rows in claim order;
+-- a group's later rows lock it again (an advisory lock is counted, not refused, in its own
+-- transaction), and the worker keeps the first job of each group: the batch takes every group's
+-- first job before any group's second, as the walk's does. Slots and limits are looked up by
+-- name in two jsonb objects, each built once.
 WITH held AS (
     SELECT jsonb_object_agg('t:' || length(task) || ':' || task || ':' || limit_key, n) AS n
     FROM (SELECT task, limit_key, count(*) AS n FROM {schema}.pgqueue_jobs
@@ -1131,25 +1133,33 @@ WITH held AS (
 lims AS (
     SELECT jsonb_object_agg(t.name, t.concurrency_limit) AS l FROM {schema}.pgqueue_tasks t
     WHERE t.concurrency_limit IS NOT NULL AND t.rate_limit IS NULL
+),
+rows AS (
+    SELECT h.*, ((SELECT l FROM lims) ->> h.task)::int AS lim,
+           h.queue <> ALL(ARRAY(SELECT q.name FROM {schema}.pgqueue_queues q
+                                WHERE q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL))
+           AS unlimited_queue
+    FROM (
+        SELECT j.id, j.task, j.limit_key, j.queue, j.priority, j.run_at,
+               't:' || length(j.task) || ':' || j.task || ':' || j.limit_key AS name
+        FROM {schema}.pgqueue_jobs j
+        WHERE j.status IN ('queued', 'retrying')
+        ORDER BY j.priority DESC, j.run_at, j.id
+        LIMIT %(scan)s
+    ) h
+    WHERE h.limit_key IS NOT NULL AND h.run_at <= now() AND h.task = ANY(%(tasks)s::text[])
+      AND (%(queues)s::text[] IS NULL OR h.queue = ANY(%(queues)s::text[]))
+      AND h.queue <> ALL(ARRAY(SELECT q.name FROM {schema}.pgqueue_queues q WHERE q.paused))
 )
-SELECT h.id, h.task, h.limit_key,
-       CASE WHEN ((SELECT l FROM lims) ->> h.task)::int
-                 > COALESCE(((SELECT n FROM held) ->> h.name)::int, 0)
-            THEN pg_try_advisory_xact_lock(hashtextextended(%(schema)s || ':' || h.name, 0))
-            ELSE false END
-FROM (
-    SELECT j.id, j.task, j.limit_key, j.queue, j.priority, j.run_at,
-           't:' || length(j.task) || ':' || j.task || ':' || j.limit_key AS name
-    FROM {schema}.pgqueue_jobs j
-    WHERE j.status IN ('queued', 'retrying')
-    ORDER BY j.priority DESC, j.run_at, j.id
-    LIMIT %(scan)s
-) h
-WHERE h.limit_key IS NOT NULL AND h.run_at <= now() AND h.task = ANY(%(tasks)s::text[])
-  AND (%(queues)s::text[] IS NULL OR h.queue = ANY(%(queues)s::text[]))
-  AND h.queue <> ALL(ARRAY(SELECT q.name FROM {schema}.pgqueue_queues q WHERE q.paused
-                           OR q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL))
-ORDER BY h.priority DESC, h.run_at, h.id
+SELECT r.id, r.task, r.limit_key,
+       CASE WHEN r.room > 0
+            THEN pg_try_advisory_xact_lock(hashtextextended(%(schema)s || ':' || r.name, 0))
+            ELSE false END,
+       r.room
+FROM (SELECT r.*, CASE WHEN r.unlimited_queue
+                       THEN r.lim - COALESCE(((SELECT n FROM held) ->> r.name)::int, 0) END room
+      FROM rows r) r
+ORDER BY r.priority DESC, r.run_at, r.id
 
 -- name: claim_head_jobs
 -- The fast path's claim (lock_head_groups): the jobs it found, one per group it locked, that

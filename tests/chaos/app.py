@@ -102,6 +102,7 @@ LIMITED: dict[str, Limits] = {
     "keyed": Limits(limit=1, key="tenant"),
     "rated": Limits(rate=(5, 1.0)),
     "pushed": Limits(limit=2, rate=(3, 1.0), key="account"),
+    "spread": Limits(limit=1, key="tenant"),
 }
 #: A queue the harness limits at the start of each run (`pgqueue queues limit|rate`): it holds
 #: jobs of ``effect`` (no limit of their own) and some of ``keyed`` (limited twice).

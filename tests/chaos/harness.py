@@ -54,6 +54,14 @@ LIMITED_FEED: list[tuple[str, float, tuple[float, float], dict[str, Any]]] = [
 HANDOFF_FEED: list[tuple[str, float, tuple[float, float], dict[str, Any]]] = [
     ("acked", 20.0, (0.05, 0.25), {}),
 ]
+#: Bursts of ``spread`` (limit 1 per tenant over many tenants, short handlers, priority 1): every
+#: SPREAD_EVERY-th batch brings SPREAD_JOBS of them, the tenants interleaved, so that the first
+#: jobs waiting (ahead of the other limited tasks' backlogs, by their priority) are of groups with
+#: room and the limited claims take them from the head of the queue (concepts/limits.md) rather
+#: than by the walk over the groups.
+SPREAD_EVERY = 30
+SPREAD_JOBS = 300
+SPREAD_TENANTS = 100
 #: The share of ``keyed`` jobs that go to the capped queue, under its limits as well.
 KEYED_IN_CAPPED = 1 / 3
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -228,8 +236,9 @@ class Run:
         commit the client saw, which must all exist at the end. Every third batch is unique
         jobs over a few keys (most of them duplicates, refused while a job with the key is
         queued, retrying or running): the checker counts any two that held one key at once.
-        Every batch also brings limited jobs (LIMITED_FEED), and at the points of
-        LIMIT_CHANGES the feeder changes ``limited``'s limit as an operator would."""
+        Every batch also brings limited jobs (LIMITED_FEED), every SPREAD_EVERY-th a burst of
+        ``spread``, and at the points of LIMIT_CHANGES the feeder changes ``limited``'s limit as
+        an operator would."""
         rng = random.Random(self.rng.random())
         period = 0.1
         per_batch = max(1, round(self.config.rate * period))
@@ -258,6 +267,8 @@ class Run:
                         for key in keys
                     ]  # fmt: skip
                 limited = limited_batch(rng, period, HANDOFF_FEED if self.handoff else LIMITED_FEED)
+                if not self.handoff and (sent // per_batch) % SPREAD_EVERY == SPREAD_EVERY // 2:
+                    limited += spread_burst(rng)
                 try:
                     written = self.app.enqueue_many(batch + limited, allow_unknown=True)
                 except (psycopg.OperationalError, pgqueue.DatabaseUnavailableError):
@@ -412,6 +423,16 @@ def limited_batch(
                 job["queue"] = chaos_app.CAPPED_QUEUE
             jobs.append(job)
     return jobs
+
+
+def spread_burst(rng: random.Random) -> list[Any]:
+    """SPREAD_JOBS jobs of ``spread``, the tenants in turn (see SPREAD_EVERY)."""
+    return [
+        {"task": "spread", "priority": 1,
+         "args": {"seconds": round(rng.uniform(0.01, 0.05), 4),
+                  "tenant": f"s{n % SPREAD_TENANTS}"}}
+        for n in range(SPREAD_JOBS)
+    ]  # fmt: skip
 
 
 def _poisson(rng: random.Random, mean: float) -> int:

@@ -79,7 +79,7 @@ def _head_claim(c: Conn, worker: uuid.UUID, tasks: list[str]) -> list[dict[str, 
         first = _explained(c, q.lock_head_groups, head)
         found = c.execute(q.lock_head_groups, head).fetchall()
         groups: dict[str, int] = {}
-        for job_id, _, key, locked in found:
+        for job_id, _, key, locked, _ in found:
             if locked:
                 groups.setdefault(key, job_id)
         claim = {"worker_id": worker, "token": uuid.uuid4(), "ids": list(groups.values()),

@@ -925,6 +925,18 @@ def test_a_claim_from_the_head_takes_the_first_job_of_each_free_group_and_leaves
         "UPDATE pgqueue_jobs SET run_at = now() + interval '1 hour' WHERE id = %s", (ids[4],)
     )
     tasks = ["keyed", "pair", "rated", "plain"]
+    # What the head read, with its groups' free slots: jobs of a rated task or a limited queue
+    # are the walk's (no slots: the worker then walks too); a paused queue's, a job not due
+    # and other tasks' are nobody's here.
+    with conn.transaction():
+        found = conn.execute(
+            queries("public").lock_head_groups,
+            {"schema": "public", "queues": None, "tasks": tasks, "scan": 20},
+        ).fetchall()
+    assert [(row[0], row[4]) for row in found] == [
+        (ids[0], 1), (ids[1], 1), (ids[3], 0), (ids[5], None), (ids[7], None),
+        (ids[11], 1), (ids[12], 1), (ids[13], 1),
+    ]  # fmt: skip
     claimed = head_claim(conn, worker, tasks, limit=10)
     assert sorted(row[0] for row in claimed) == [ids[0], ids[11], ids[13]]
     assert {(row[2], row[7]) for row in claimed} == {("keyed", "a"), ("pair", "p"), ("keyed", "f")}
@@ -956,7 +968,7 @@ def test_a_claim_from_the_head_counts_its_groups_slots_again_after_their_locks(
             q.lock_head_groups,
             {"schema": "public", "queues": None, "tasks": ["keyed"], "scan": 10},
         ).fetchall()
-        assert [(row[0], row[3]) for row in found] == [(first, True), (second, True)]
+        assert [(row[0], row[3], row[4]) for row in found] == [(first, True, 1), (second, True, 1)]
         conn.execute("UPDATE pgqueue_jobs SET status = 'running' WHERE id = %s", (second,))
         rows = c.execute(
             q.claim_head_jobs,

@@ -95,9 +95,9 @@ LIMIT_SCAN_MIN = 16
 LIMIT_SCAN_MAX = 1000
 #: The limited claim tries the head of the queue first (claim_head, reading HEAD_SCAN_FACTOR
 #: waiting jobs in claim order per job it wants), but every HEAD_WALK_EVERY-th claim walks the
-#: groups (round-robin: every group gets its turn, and rated groups, limited queues and jobs
-#: deep in the backlog are the walk's), and so do the HEAD_COOL claims after a head that gave
-#: less than half of what it was asked for (its first jobs' groups are full).
+#: groups (round-robin: every group gets its turn, jobs deep in the backlog too), a claim walks
+#: for the rest when the head held jobs it leaves to the walk (rated tasks, limited queues), and
+#: so do the HEAD_COOL claims after a blocked head (see claim_head).
 HEAD_SCAN_FACTOR = 2
 HEAD_WALK_EVERY = 4
 HEAD_COOL = 8
@@ -357,8 +357,8 @@ class Fetcher:
 
     async def claim_limited(self, limit: int) -> list[ClaimedJob]:
         """Jobs under limits: from the head of the queue when it has them (claim_head), and
-        by the walk over the groups (claim_walk) for what that left, every HEAD_WALK_EVERY-th
-        claim, and while the head came back short lately."""
+        by the walk over the groups (claim_walk) every HEAD_WALK_EVERY-th claim, for what the
+        head left to it, and while the head came back blocked lately."""
         self._limited_claims += 1
         if (
             not self._groups_seen
@@ -366,22 +366,30 @@ class Fetcher:
             or self._limited_claims < self._head_after
         ):
             return await self.claim_walk(limit)
-        jobs = await self.claim_head(limit)
-        if len(jobs) * 2 < limit:
-            # The head is blocked (groups at their limit, rated tasks, limited queues, jobs
-            # not due): the walk, now and for a while, which reads past none of those.
+        jobs, blocked, walks = await self.claim_head(limit)
+        if blocked:
+            # The groups at the head are full or few: the walk, now and for a while, which
+            # reads past none of them.
             self._head_after = self._limited_claims + HEAD_COOL
+        if (blocked or walks) and len(jobs) < limit:
             jobs += await self.claim_walk(limit - len(jobs))
         return jobs
 
-    async def claim_head(self, limit: int) -> list[ClaimedJob]:
+    async def claim_head(self, limit: int) -> tuple[list[ClaimedJob], bool, bool]:
         """Jobs of free limit groups at the head of the queue (lock_head_groups, then
         claim_head_jobs, one transaction): one range read of the ready index instead of a
-        descent per group, for a backlog whose first jobs can run."""
+        descent per group, for a backlog whose first jobs can run. Also whether the head is
+        blocked (it gave nothing, or under half of what the walk could take from its groups, as
+        their free slots and jobs allow, or of the claim's want) and whether it holds jobs for
+        the walk (of a rated task, of a limited queue)."""
         token = uuid4()
         q = self.q
         rows: list[Any] = []
         claim: psycopg.AsyncCursor[Any] | None = None
+        walks = False
+        #: What the walk could take from the head's groups: per group, its jobs read, up to
+        #: its free slots.
+        could: dict[tuple[str, str], int] = {}
         async with self.pool.connection() as conn:
             self._claim_sent = asyncio.get_running_loop().time()
             # As claim_walk's: two round trips, the claim's snapshot newer than the locks.
@@ -399,16 +407,18 @@ class Fetcher:
                 )
                 ids: list[int] = []
                 keys: list[str] = []
-                seen: set[tuple[str, str]] = set()
-                for job_id, task, key, locked in await cur.fetchall():
-                    if (task, key) in seen:
-                        continue  # the group's first job only (see lock_head_groups)
-                    seen.add((task, key))
-                    if locked:
+                for job_id, task, key, locked, room in await cur.fetchall():
+                    if room is None:
+                        walks = True
+                        continue
+                    group = (task, key)
+                    if group in could:  # the group's first job only (see lock_head_groups)
+                        could[group] = min(could[group] + 1, room)
+                        continue
+                    could[group] = min(1, room)
+                    if locked and len(ids) < limit:
                         ids.append(job_id)
                         keys.append(key)
-                        if len(ids) == limit:
-                            break
                 if ids:
                     arrays.register(conn)
                     claim = await conn.execute(
@@ -423,7 +433,9 @@ class Fetcher:
             if claim is not None:  # its rows arrived with the COMMIT's
                 rows = await claim.fetchall()
         self.claims += 1
-        return self._jobs(rows, token, limited=True)
+        got = len(rows)
+        blocked = got == 0 or 2 * got < min(limit, sum(could.values()))
+        return self._jobs(rows, token, limited=True), blocked, walks
 
     async def claim_walk(self, limit: int) -> list[ClaimedJob]:
         """Jobs under limits (lock_limit_groups, then claim_limited_jobs, one transaction)."""
