@@ -1451,7 +1451,9 @@ RETURNING j.id, j.queue
 -- pass reached it, or was requeued or released by its parents after those passes. They go back
 -- waiting with their group (computed by the worker; '' when its code does not declare the
 -- limit), attempt uncounted, for the limited claim to take under the limit.
--- Fenced like release_leases; a row locked right now is skipped, and its job runs here.
+-- Fenced like release_leases; a row locked right now is skipped: the worker gives those back
+-- with regroup_leases_waiting (the same statement, waiting for the locks, under a lock_timeout),
+-- and runs here only a job whose row stayed locked past that.
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schema}.pgqueue_status,
     attempts = greatest(j.attempts - 1, 0), limit_key = r.key,
@@ -1459,8 +1461,8 @@ SET status = CASE WHEN j.attempts <= 1 THEN 'queued' ELSE 'retrying' END::{schem
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(keys)s::text[]) AS r(id, token, key)
 WHERE j.id = r.id AND j.lease_token = r.token AND j.status::text = 'running'
   AND r.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l
-                       WHERE l.id = ANY(%(ids)s::bigint[]) ORDER BY l.id
-                       FOR UPDATE SKIP LOCKED))
+                       WHERE l.id = ANY(%(ids)s::bigint[]) {regroup_wait} ORDER BY l.id
+                       FOR UPDATE {regroup_skip}))
 RETURNING j.id, j.queue
 
 -- name: extend_leases

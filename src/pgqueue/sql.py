@@ -90,6 +90,15 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
             " WHERE l.id = ANY(%(ids)b::bigint[]) ORDER BY l.id FOR UPDATE SKIP LOCKED))"
         },
     ),
+    # regroup_leases for the rows it found locked: waits for them (under a lock_timeout).
+    "regroup_leases_waiting": (
+        "regroup_leases",
+        {
+            "regroup_skip": "",
+            "regroup_wait": "AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true))"
+            " IS NOT NULL",
+        },
+    ),
     # Dead jobs have a retention of their own (dead_retention), hence a statement of their own.
     "prune_dead_jobs": ("prune_finished_jobs", {"pruned_statuses": "'dead'"}),
     "archive_dead_jobs": ("archive_finished_jobs", {"pruned_statuses": "'dead'"}),
@@ -111,6 +120,7 @@ BASE = {
     "job_filter": JOB_FILTER,
     **{name: "" for _, fragments in VARIANTS.values() for name in fragments},
     "claim_limit": "(SELECT %(limit)s::int)",
+    "regroup_skip": "SKIP LOCKED",
     "queue_list": "(VALUES (NULL::text))",  # one probe per priority, for every queue at once
     "pruned_statuses": "'succeeded', 'cancelled'",
 }
@@ -206,6 +216,7 @@ class Queries:
     applied_completions: bytes
     release_leases: bytes
     regroup_leases: bytes
+    regroup_leases_waiting: bytes
     extend_leases: bytes
     save_progress: bytes
     untracked_jobs: bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections import Counter
@@ -696,6 +697,70 @@ async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under
     assert "had no limit group; given back with it" in caplog.text
 
 
+async def test_a_claimed_job_without_its_group_whose_row_is_locked_still_goes_back_under_the_limit(
+    app: pgqueue.App, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-back of a job that lost its group skips a row another transaction holds (an
+    operator's cancel, a bulk action) so as to wait on nobody; it then waits for that row (up to
+    REGROUP_LOCK_WAIT) instead of running the job beside its group's running one, as it did."""
+    release = asyncio.Event()
+    order: list[tuple[str, int]] = []
+    running = peak = 0
+
+    @app.task(limit=1)
+    async def sync(n: int) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        order.append(("start", n))
+        try:
+            if n == 0:
+                await release.wait()
+        finally:
+            running -= 1
+            order.append(("end", n))
+
+    def hold(ids: list[int], locked: threading.Event) -> None:
+        """Another transaction holds the rows until the hand-back waits for them."""
+        with psycopg.connect(conn.info.dsn) as holder:
+            holder.execute("SELECT id FROM pgqueue_jobs WHERE id = ANY(%s) FOR UPDATE", (ids,))
+            locked.set()
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
+                    ).fetchone()
+                    != (0,)
+                ),
+                what="the hand-back waiting for the held rows",
+            )
+
+    regroup = Fetcher._regroup
+    holders: list[asyncio.Future[None]] = []
+
+    async def locked_first(self: Fetcher, c: Any, jobs: list[Any], strays: list[Any]) -> Any:
+        if not holders:
+            locked = threading.Event()
+            holders.append(
+                asyncio.ensure_future(asyncio.to_thread(hold, [j.id for j in strays], locked))
+            )
+            await asyncio.to_thread(locked.wait, 30)
+        return await regroup(self, c, jobs, strays)
+
+    monkeypatch.setattr(Fetcher, "_regroup", locked_first)
+    async with running_worker(app, concurrency=4, **FAST):
+        sync.enqueue(n=0)
+        await wait_until_async(lambda: ("start", 0) in order, timeout=30)
+        stray = sync.enqueue(n=1)
+        conn.execute("UPDATE pgqueue_jobs SET limit_key = NULL WHERE id = %s", (stray,))
+        await wait_until_async(lambda: bool(holders) and holders[0].done(), timeout=30)
+        holders[0].result()
+        release.set()
+        await wait_until_async(lambda: ("end", 1) in order, timeout=30)
+    assert peak == 1
+    assert order == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
+
+
 @pytest.mark.parametrize("call", ["sync", "async"])
 async def test_an_operator_limit_groups_jobs_locked_while_it_was_set(
     app: pgqueue.App, dsn: str, conn: Conn, call: str
@@ -988,10 +1053,10 @@ async def test_claims_from_the_head_racing_across_workers_never_exceed_a_limit_p
     from_head: list[int] = []
     claim_head = Fetcher.claim_head
 
-    async def counted(self: Fetcher, limit: int) -> list[Any]:
-        jobs = await claim_head(self, limit)
-        from_head.append(len(jobs))
-        return jobs
+    async def counted(self: Fetcher, limit: int) -> tuple[list[Any], bool, bool]:
+        got = await claim_head(self, limit)
+        from_head.append(len(got[0]))
+        return got
 
     monkeypatch.setattr(Fetcher, "claim_head", counted)
 

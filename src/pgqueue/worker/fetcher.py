@@ -101,6 +101,9 @@ LIMIT_SCAN_MAX = 1000
 HEAD_SCAN_FACTOR = 2
 HEAD_WALK_EVERY = 4
 HEAD_COOL = 8
+#: How long the claim's hand-back of jobs that lost their limit group waits for a row another
+#: transaction holds (regroup_leases_waiting); past it, the job runs where it was claimed.
+REGROUP_LOCK_WAIT = "2s"
 #: The limited claim's session ends if it stalls this long inside its transaction (milliseconds).
 LIMIT_CLAIM_IDLE_MS = "5000"
 #: Seconds a stopping fetcher waits for its looks beside the claims to end once cancelled.
@@ -772,15 +775,33 @@ class Fetcher:
             else declared.waiting_group(job.task, job.args)
             for job in strays
         ]  # fmt: skip
-        cur = await conn.execute(
-            self.q.regroup_leases,
-            {
-                "ids": [job.id for job in strays],
-                "tokens": [job.lease_token for job in strays],
-                "keys": keys,
-            },
-        )
+        params: dict[str, list[Any]] = {
+            "ids": [job.id for job in strays],
+            "tokens": [job.lease_token for job in strays],
+            "keys": keys,
+        }
+        cur = await conn.execute(self.q.regroup_leases, params)
         back = {int(row[0]) for row in await cur.fetchall()}
+        if len(back) < len(strays):
+            # Rows locked by another transaction right now (an operator's cancel, a bulk
+            # action): wait for them rather than run their jobs outside the limit. Rows no
+            # longer leased here (reaped meanwhile) are not updated by either statement.
+            left = [i for i, job in enumerate(strays) if job.id not in back]
+            try:
+                cur = await conn.execute(
+                    self.q.regroup_leases_waiting,
+                    {
+                        **{name: [values[i] for i in left] for name, values in params.items()},
+                        "lock_timeout": REGROUP_LOCK_WAIT,
+                    },
+                )
+                back |= {int(row[0]) for row in await cur.fetchall()}
+            except psycopg.errors.LockNotAvailable:
+                log.warning(
+                    "claimed jobs of limited tasks without their limit group stayed locked by "
+                    "another transaction for %s; they run here, outside the limit",
+                    REGROUP_LOCK_WAIT,
+                )
         if not back:
             return jobs
         log.warning(
