@@ -1000,7 +1000,8 @@ FROM queues q
 -- Clocks: the claim's transaction began before the walk, and a claimer can stall between the two
 -- (a GC pause, a blocked event loop, SIGSTOP) while it holds the group's lock. So the rate window
 -- is judged at this statement's start (statement_timestamp(), never now(), the transaction's),
--- claimed_at is that time too, and the starts are logged with clock_timestamp(), taken after the
+-- claimed_at is that time too (the update is limited_claimed, sql.py, shared with
+-- claim_head_jobs), and the starts are logged with clock_timestamp(), taken after the
 -- rows were claimed: a later claim's window then always covers them (the fault suite found the
 -- rate exceeded when both were now()). The worker's lease is checked at this statement's start
 -- too: checked at now(), a claimer whose lease ran out while it stalled after the walk still
@@ -1083,17 +1084,7 @@ taken AS (
     ORDER BY r.tu, r.ord
     LIMIT %(limit)s
 ),
-claimed AS (
-    UPDATE {schema}.pgqueue_jobs j
-    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
-        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = statement_timestamp(), started_at = NULL
-    WHERE j.id = ANY(ARRAY(SELECT id FROM taken))
-      AND EXISTS (SELECT FROM {schema}.pgqueue_workers w WHERE w.id = %(worker_id)s
-                  AND w.lease_expires_at > statement_timestamp())
-    RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
-              extract(epoch FROM now() - j.run_at)::float8 w,
-              j.priority, j.run_at, j.meta
-),
+claimed AS ({limited_claimed}),
 logged AS (
     INSERT INTO {schema}.pgqueue_rates AS rt (name, period, times, counts)
     SELECT b.name, b.rate_period, ARRAY[clock_timestamp()], ARRAY[count(*)::int]
@@ -1125,15 +1116,8 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- transaction), and the worker keeps the first job of each group: the batch takes every group's
 -- first job before any group's second, as the walk's does. Slots and limits are looked up by
 -- name in two jsonb objects, each built once.
-WITH held AS (
-    SELECT jsonb_object_agg('t:' || length(task) || ':' || task || ':' || limit_key, n) AS n
-    FROM (SELECT task, limit_key, count(*) AS n FROM {schema}.pgqueue_jobs
-          WHERE status = 'running' AND limit_key IS NOT NULL GROUP BY task, limit_key) r
-),
-lims AS (
-    SELECT jsonb_object_agg(t.name, t.concurrency_limit) AS l FROM {schema}.pgqueue_tasks t
-    WHERE t.concurrency_limit IS NOT NULL AND t.rate_limit IS NULL
-),
+WITH held AS ({held_slots}),
+lims AS ({head_limits}),
 rows AS (
     SELECT h.*, ((SELECT l FROM lims) ->> h.task)::int AS lim,
            h.queue <> ALL(ARRAY(SELECT q.name FROM {schema}.pgqueue_queues q
@@ -1165,18 +1149,11 @@ ORDER BY r.priority DESC, r.run_at, r.id
 -- The fast path's claim (lock_head_groups): the jobs it found, one per group it locked, that
 -- are still waiting, still in that group, and whose group still has a free slot, counted now
 -- (this statement's snapshot is newer than the locks), as claim_limited_jobs counts them. The
--- worker's lease and the clocks as there; a task with a rate is left to the walk, whose claim
--- logs the starts. Each job is read by its primary key (a lateral probe per id: as a join, a
+-- worker's lease and the clocks as there (the same update: limited_claimed, sql.py); a task
+-- with a rate is left to the walk, whose claim logs the starts. Each job is read by its primary key (a lateral probe per id: as a join, a
 -- plan chose to scan every waiting job, 11 ms of a 14 ms claim of 100).
-WITH held AS (
-    SELECT jsonb_object_agg('t:' || length(task) || ':' || task || ':' || limit_key, n) AS n
-    FROM (SELECT task, limit_key, count(*) AS n FROM {schema}.pgqueue_jobs
-          WHERE status = 'running' AND limit_key IS NOT NULL GROUP BY task, limit_key) r
-),
-lims AS (
-    SELECT jsonb_object_agg(t.name, t.concurrency_limit) AS l FROM {schema}.pgqueue_tasks t
-    WHERE t.concurrency_limit IS NOT NULL AND t.rate_limit IS NULL
-),
+WITH held AS ({held_slots}),
+lims AS ({head_limits}),
 taken AS (
     SELECT c.id FROM unnest(%(ids)s::bigint[], %(keys)s::text[]) AS g(id, key), LATERAL (
         SELECT c.id FROM {schema}.pgqueue_jobs c
@@ -1187,18 +1164,7 @@ taken AS (
         FOR UPDATE SKIP LOCKED
     ) c
 ),
-claimed AS (
-    UPDATE {schema}.pgqueue_jobs j
-    SET status = 'running', attempts = j.attempts + 1, lease_token = %(token)s,
-        lease_expires_at = NULL, worker_id = %(worker_id)s, claimed_at = statement_timestamp(),
-        started_at = NULL
-    WHERE j.id = ANY(ARRAY(SELECT id FROM taken))
-      AND EXISTS (SELECT FROM {schema}.pgqueue_workers w WHERE w.id = %(worker_id)s
-                  AND w.lease_expires_at > statement_timestamp())
-    RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,
-              extract(epoch FROM now() - j.run_at)::float8 w,
-              j.priority, j.run_at, j.meta
-)
+claimed AS ({limited_claimed})
 SELECT id, queue, task, args::text, attempts, max_attempts, w, limit_key, meta::text
 FROM claimed ORDER BY priority DESC, run_at, id
 

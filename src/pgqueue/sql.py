@@ -115,12 +115,36 @@ JOB_FILTER = (
     " AND (%(older_than)s::float8 IS NULL"
     " OR COALESCE(finished_at, created_at) < now() - make_interval(secs => %(older_than)s))"
 )
+#: The two claims from the head of the queue (lock_head_groups, claim_head_jobs) build the same
+#: lookups: the running jobs per limit group (named as in pgqueue_rates, limits.group_name), and
+#: the concurrency limit of each task the head serves (a limit and no rate).
+HEAD_LOOKUPS = {
+    "held_slots": "SELECT jsonb_object_agg('t:' || length(task) || ':' || task || ':' || limit_key,"
+    " n) AS n FROM (SELECT task, limit_key, count(*) AS n FROM {schema}.pgqueue_jobs"
+    " WHERE status = 'running' AND limit_key IS NOT NULL GROUP BY task, limit_key) r",
+    "head_limits": "SELECT jsonb_object_agg(t.name, t.concurrency_limit) AS l"
+    " FROM {schema}.pgqueue_tasks t WHERE t.concurrency_limit IS NOT NULL AND t.rate_limit IS NULL",
+}
+#: The limited claims' update (claim_limited_jobs, claim_head_jobs): the jobs of ``taken`` start
+#: under a new lease token, only while the worker's own lease is live at this statement.
+LIMITED_CLAIMED = (
+    "UPDATE {schema}.pgqueue_jobs j SET status = 'running', attempts = j.attempts + 1,"
+    " lease_token = %(token)s, lease_expires_at = NULL, worker_id = %(worker_id)s,"
+    " claimed_at = statement_timestamp(), started_at = NULL"
+    " WHERE j.id = ANY(ARRAY(SELECT id FROM taken))"
+    " AND EXISTS (SELECT FROM {schema}.pgqueue_workers w WHERE w.id = %(worker_id)s"
+    " AND w.lease_expires_at > statement_timestamp())"
+    " RETURNING j.id, j.queue, j.task, j.limit_key, j.args, j.attempts, j.max_attempts,"
+    " extract(epoch FROM now() - j.run_at)::float8 w, j.priority, j.run_at, j.meta"
+)
 #: The base rendering's fragments (see claim_jobs for why its LIMIT is a subquery).
 BASE = {
     "job_filter": JOB_FILTER,
     **{name: "" for _, fragments in VARIANTS.values() for name in fragments},
     "claim_limit": "(SELECT %(limit)s::int)",
     "regroup_skip": "SKIP LOCKED",
+    **HEAD_LOOKUPS,
+    "limited_claimed": LIMITED_CLAIMED,
     "queue_list": "(VALUES (NULL::text))",  # one probe per priority, for every queue at once
     "pruned_statuses": "'succeeded', 'cancelled'",
 }

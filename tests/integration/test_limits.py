@@ -62,6 +62,27 @@ class Tracker:
         self.done.append((group, n))
 
 
+class FirstHolds:
+    """A handler's record for the hand-back tests: job 0 holds its slot until ``release``;
+    the order of starts and ends, and the most jobs running at once."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.order: list[tuple[str, int]] = []
+        self.running = self.peak = 0
+
+    async def run(self, n: int) -> None:
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        self.order.append(("start", n))
+        try:
+            if n == 0:
+                await self.release.wait()
+        finally:
+            self.running -= 1
+            self.order.append(("end", n))
+
+
 def statuses(conn: Conn) -> Counter[str]:
     return Counter(str(r[0]) for r in conn.execute("SELECT status::text FROM pgqueue_jobs"))
 
@@ -649,24 +670,14 @@ async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under
     uncounted, and it runs under the limit, after the group's running job, not beside it. Also
     when the limit is the operator's and the worker's code has none (``operator``): the claim
     says which tasks the database limits, and such a job goes back in the task's group ''."""
-    release = asyncio.Event()
-    order: list[tuple[str, int]] = []
-    running = peak = 0
+    jobs = FirstHolds()
+    order = jobs.order
     per_key = how == "key"
     limit = None if how == "operator" else 1
 
     @app.task(limit=limit, limit_key=(lambda args: args["tenant"]) if per_key else None)
     async def sync(tenant: str, n: int) -> None:
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        order.append(("start", n))
-        try:
-            if n == 0:
-                await release.wait()
-        finally:
-            running -= 1
-            order.append(("end", n))
+        await jobs.run(n)
 
     def given_back(job_id: int) -> bool:
         row = conn.execute(
@@ -686,9 +697,9 @@ async def test_a_claimed_job_of_a_limited_task_without_its_group_goes_back_under
             conn.execute("UPDATE pgqueue_jobs SET limit_key = NULL WHERE id = %s", (stray,))
             # The poll's plain claim takes it: before, it ran at once, beside job 0.
             await wait_until_async(lambda: ("start", 1) in order or given_back(stray), timeout=30)
-            release.set()
+            jobs.release.set()
             await wait_until_async(lambda: ("end", 1) in order, timeout=30)
-    assert peak == 1
+    assert jobs.peak == 1
     assert order == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
     row = conn.execute(
         "SELECT status::text, limit_key, attempts FROM pgqueue_jobs WHERE id = %s", (stray,)
@@ -703,22 +714,12 @@ async def test_a_claimed_job_without_its_group_whose_row_is_locked_still_goes_ba
     """The hand-back of a job that lost its group skips a row another transaction holds (an
     operator's cancel, a bulk action) so as to wait on nobody; it then waits for that row (up to
     REGROUP_LOCK_WAIT) instead of running the job beside its group's running one, as it did."""
-    release = asyncio.Event()
-    order: list[tuple[str, int]] = []
-    running = peak = 0
+    jobs = FirstHolds()
+    order = jobs.order
 
     @app.task(limit=1)
     async def sync(n: int) -> None:
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        order.append(("start", n))
-        try:
-            if n == 0:
-                await release.wait()
-        finally:
-            running -= 1
-            order.append(("end", n))
+        await jobs.run(n)
 
     def hold(ids: list[int], locked: threading.Event) -> None:
         """Another transaction holds the rows until the hand-back waits for them."""
@@ -738,14 +739,14 @@ async def test_a_claimed_job_without_its_group_whose_row_is_locked_still_goes_ba
     regroup = Fetcher._regroup
     holders: list[asyncio.Future[None]] = []
 
-    async def locked_first(self: Fetcher, c: Any, jobs: list[Any], strays: list[Any]) -> Any:
+    async def locked_first(self: Fetcher, c: Any, claimed: list[Any], strays: list[Any]) -> Any:
         if not holders:
             locked = threading.Event()
             holders.append(
                 asyncio.ensure_future(asyncio.to_thread(hold, [j.id for j in strays], locked))
             )
             await asyncio.to_thread(locked.wait, 30)
-        return await regroup(self, c, jobs, strays)
+        return await regroup(self, c, claimed, strays)
 
     monkeypatch.setattr(Fetcher, "_regroup", locked_first)
     async with running_worker(app, concurrency=4, **FAST):
@@ -755,9 +756,9 @@ async def test_a_claimed_job_without_its_group_whose_row_is_locked_still_goes_ba
         conn.execute("UPDATE pgqueue_jobs SET limit_key = NULL WHERE id = %s", (stray,))
         await wait_until_async(lambda: bool(holders) and holders[0].done(), timeout=30)
         holders[0].result()
-        release.set()
+        jobs.release.set()
         await wait_until_async(lambda: ("end", 1) in order, timeout=30)
-    assert peak == 1
+    assert jobs.peak == 1
     assert order == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
 
 
