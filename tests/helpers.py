@@ -27,7 +27,7 @@ import pgqueue
 from pgqueue.db import channel_for
 from pgqueue.limits import group_name
 from pgqueue.sql import queries
-from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS
+from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS, read_head
 from pgqueue.worker.runtime import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,8 +86,8 @@ def head_claim(
     queues: list[str] | None = None,
 ) -> list[Any]:
     """The limited claim from the head of the queue as Fetcher.claim_head makes it (the same
-    statements in one transaction, a group's first row kept), on an autocommit ``conn``: the
-    claimed rows."""
+    statements in one transaction, what to claim chosen by read_head), on an autocommit
+    ``conn``: the claimed rows."""
     q = queries("public")
     with conn.transaction():
         conn.execute(q.begin_limited_claim)
@@ -96,15 +96,7 @@ def head_claim(
             q.lock_head_groups,
             {"schema": "public", "queues": queues, "tasks": tasks, "scan": 2 * limit},
         ).fetchall()
-        seen: set[tuple[str, str]] = set()
-        ids: list[int] = []
-        keys: list[str] = []
-        for job_id, task, key, locked, room in found:
-            if room is not None and (task, key) not in seen:
-                seen.add((task, key))
-                if locked and len(ids) < limit:
-                    ids.append(job_id)
-                    keys.append(key)
+        ids, keys, _, _ = read_head(found, limit)
         if not ids:
             return []
         return conn.execute(

@@ -21,6 +21,7 @@ import pytest
 
 import pgqueue
 from pgqueue.sql import queries
+from pgqueue.worker.fetcher import read_head
 from tests.helpers import (
     begin_limited_claim,
     limited_claim_params,
@@ -77,13 +78,8 @@ def _head_claim(c: Conn, worker: uuid.UUID, tasks: list[str]) -> list[dict[str, 
     try:
         head = {"schema": "public", "queues": None, "tasks": tasks, "scan": 200}
         first = _explained(c, q.lock_head_groups, head)
-        found = c.execute(q.lock_head_groups, head).fetchall()
-        groups: dict[str, int] = {}
-        for job_id, _, key, locked, _ in found:
-            if locked:
-                groups.setdefault(key, job_id)
-        claim = {"worker_id": worker, "token": uuid.uuid4(), "ids": list(groups.values()),
-                 "keys": list(groups)}  # fmt: skip
+        ids, keys, _, _ = read_head(c.execute(q.lock_head_groups, head).fetchall(), 100)
+        claim = {"worker_id": worker, "token": uuid.uuid4(), "ids": ids, "keys": keys}
         second = _explained(c, q.claim_head_jobs, claim)
     finally:
         c.execute("COMMIT")

@@ -146,6 +146,32 @@ LOOKBACK_MARGIN = 0.05
 _decode = JSONDecoder().raw_decode
 
 
+def read_head(rows: list[Any], limit: int) -> tuple[list[int], list[str], int, bool]:
+    """lock_head_groups' rows (id, task, key, locked, room) in claim order: the ids and keys
+    to claim (each group's first job, if its group is locked for this claim; at most
+    ``limit``), what the walk could take from the same groups (per group, its jobs read up to
+    its free slots), and whether some job read is the walk's (room NULL: a rated task's, a
+    limited queue's)."""
+    ids: list[int] = []
+    keys: list[str] = []
+    could: dict[tuple[str, str], int] = {}
+    walks = False
+    for job_id, task, key, locked, room in rows:
+        if room is None:
+            walks = True
+            continue
+        room = max(room, 0)  # below 0: a limit lowered under what runs
+        group = (task, key)
+        if group in could:  # the group's first job only (see lock_head_groups)
+            could[group] = min(could[group] + 1, room)
+            continue
+        could[group] = min(1, room)
+        if locked and len(ids) < limit:
+            ids.append(job_id)
+            keys.append(key)
+    return ids, keys, sum(could.values()), walks
+
+
 class Fetcher:
     def __init__(
         self,
@@ -389,10 +415,6 @@ class Fetcher:
         q = self.q
         rows: list[Any] = []
         claim: psycopg.AsyncCursor[Any] | None = None
-        walks = False
-        #: What the walk could take from the head's groups: per group, its jobs read, up to
-        #: its free slots.
-        could: dict[tuple[str, str], int] = {}
         async with self.pool.connection() as conn:
             self._claim_sent = asyncio.get_running_loop().time()
             # As claim_walk's: two round trips, the claim's snapshot newer than the locks.
@@ -408,20 +430,7 @@ class Fetcher:
                         "scan": min(HEAD_SCAN_FACTOR * limit, LIMIT_SCAN_MAX),
                     },
                 )
-                ids: list[int] = []
-                keys: list[str] = []
-                for job_id, task, key, locked, room in await cur.fetchall():
-                    if room is None:
-                        walks = True
-                        continue
-                    group = (task, key)
-                    if group in could:  # the group's first job only (see lock_head_groups)
-                        could[group] = min(could[group] + 1, room)
-                        continue
-                    could[group] = min(1, room)
-                    if locked and len(ids) < limit:
-                        ids.append(job_id)
-                        keys.append(key)
+                ids, keys, could, walks = read_head(await cur.fetchall(), limit)
                 if ids:
                     arrays.register(conn)
                     claim = await conn.execute(
@@ -437,7 +446,7 @@ class Fetcher:
                 rows = await claim.fetchall()
         self.claims += 1
         got = len(rows)
-        blocked = got == 0 or 2 * got < min(limit, sum(could.values()))
+        blocked = got == 0 or 2 * got < min(limit, could)
         return self._jobs(rows, token, limited=True), blocked, walks
 
     async def claim_walk(self, limit: int) -> list[ClaimedJob]:
