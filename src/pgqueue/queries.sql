@@ -1110,15 +1110,16 @@ FROM claimed ORDER BY priority DESC, run_at, id
 -- in a queue it serves that is not paused. The head serves a job of a task with a concurrency
 -- limit and no rate, in a queue without limits, and returns its group's free slots (`room`, by
 -- this statement's snapshot); the others (room NULL) are the walk's, which the worker then runs
--- too. A job the head serves whose group has room locks its group (the walk's lock: one claimer at a time counts a group's slots);
--- claim_head_jobs counts again with its own snapshot, newer than the lock. Rows in claim order;
--- a group's later rows lock it again (an advisory lock is counted, not refused, in its own
--- transaction), and the worker keeps the first job of each group: the batch takes every group's
--- first job before any group's second, as the walk's does. Slots and limits are looked up by
--- name in two jsonb objects, each built once.
+-- too. A job the head serves whose group has room locks its group (the walk's lock: one claimer
+-- at a time counts a group's slots); claim_head_jobs counts again with its own snapshot, newer
+-- than the lock. Rows in claim order; a group's later rows lock it again (an advisory lock is
+-- counted, not refused, in its own transaction), and the worker keeps the first job of each
+-- group (fetcher.read_head): the batch takes every group's first job before any group's second,
+-- as the walk's does. Slots and limits are looked up by name in two jsonb objects, each built
+-- once (held_slots and head_limits, sql.py).
 WITH held AS ({held_slots}),
 lims AS ({head_limits}),
-rows AS (
+head AS (
     SELECT h.*, ((SELECT l FROM lims) ->> h.task)::int AS lim,
            h.queue <> ALL(ARRAY(SELECT q.name FROM {schema}.pgqueue_queues q
                                 WHERE q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL))
@@ -1142,7 +1143,7 @@ SELECT r.id, r.task, r.limit_key,
        r.room
 FROM (SELECT r.*, CASE WHEN r.unlimited_queue
                        THEN r.lim - COALESCE(((SELECT n FROM held) ->> r.name)::int, 0) END room
-      FROM rows r) r
+      FROM head r) r
 ORDER BY r.priority DESC, r.run_at, r.id
 
 -- name: claim_head_jobs
@@ -1150,8 +1151,9 @@ ORDER BY r.priority DESC, r.run_at, r.id
 -- are still waiting, still in that group, and whose group still has a free slot, counted now
 -- (this statement's snapshot is newer than the locks), as claim_limited_jobs counts them. The
 -- worker's lease and the clocks as there (the same update: limited_claimed, sql.py); a task
--- with a rate is left to the walk, whose claim logs the starts. Each job is read by its primary key (a lateral probe per id: as a join, a
--- plan chose to scan every waiting job, 11 ms of a 14 ms claim of 100).
+-- with a rate is left to the walk, whose claim logs the starts. Each job is read by its primary
+-- key (a lateral probe per id: as a join, a plan chose to scan every waiting job, 11 ms of a
+-- 14 ms claim of 100).
 WITH held AS ({held_slots}),
 lims AS ({head_limits}),
 taken AS (
