@@ -340,9 +340,13 @@ def describe_jobs(conn: Conn, job_ids: list[int]) -> list[str]:
     lapses: what a failure note needs to say why a re-claim was not explained."""
     lines = []
     for job_id in job_ids:
+        for task, queue, key in conn.execute(
+            "SELECT task, queue, limit_key FROM pgqueue_jobs WHERE id = %s", (job_id,)
+        ).fetchall():
+            lines.append(f"job {job_id}: task {task}, queue {queue}, limit group {key!r}")
         for at, old, new, old_token, new_token, worker, attempts, expires, error in conn.execute(
             "SELECT at, old_status, new_status, old_token, new_token, new_worker,"
-            " old_attempts || '->' || new_attempts, old_expires::text, left(new_error, 60)"
+            " old_attempts || '->' || new_attempts, old_expires::text, left(new_error, 160)"
             " FROM history_transitions WHERE job_id = %s ORDER BY seq",
             (job_id,),
         ).fetchall():
