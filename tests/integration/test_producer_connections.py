@@ -24,9 +24,11 @@ from tests.helpers import ROOT, wait_until
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
-# The other sessions of the test's database: each test has a database of its own.
+# The other client sessions of the test's database: each test has a database of its own (an
+# autovacuum worker visiting it is not one).
 SESSIONS = (
     "SELECT {} FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    " AND backend_type = 'client backend'"
 )
 COUNT = SESSIONS.format("count(*)")
 TERMINATE = SESSIONS.format("pg_terminate_backend(pid)")
