@@ -61,9 +61,10 @@ A group out of rate tells how long until it has rate again, and the fetcher slee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from json import JSONDecoder
 from typing import Any
 from uuid import UUID, uuid4
@@ -404,6 +405,19 @@ class Fetcher:
             jobs += await self.claim_walk(limit - len(jobs))
         return jobs
 
+    @contextlib.asynccontextmanager
+    async def _limited_transaction(self, conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+        """A limited claim's transaction on ``conn`` (claim_head's, claim_walk's). Two round
+        trips, in pipeline mode: BEGIN, the isolation level, the settings and the first
+        statement go together (its rows are needed for the claim, which therefore starts after
+        it ended: its snapshot is newer than the locks), then the claim and COMMIT. One round
+        trip per statement made six."""
+        self._claim_sent = asyncio.get_running_loop().time()
+        async with conn.pipeline(), conn.transaction():
+            await conn.execute(self.q.begin_limited_claim)
+            await conn.execute(self.q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+            yield
+
     async def claim_head(self, limit: int) -> tuple[list[ClaimedJob], bool, bool]:
         """Jobs of free limit groups at the head of the queue (lock_head_groups, then
         claim_head_jobs, one transaction): one range read of the ready index instead of a
@@ -416,11 +430,7 @@ class Fetcher:
         rows: list[Any] = []
         claim: psycopg.AsyncCursor[Any] | None = None
         async with self.pool.connection() as conn:
-            self._claim_sent = asyncio.get_running_loop().time()
-            # As claim_walk's: two round trips, the claim's snapshot newer than the locks.
-            async with conn.pipeline(), conn.transaction():
-                await conn.execute(q.begin_limited_claim)
-                await conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+            async with self._limited_transaction(conn):
                 cur = await conn.execute(
                     q.lock_head_groups,
                     {
@@ -466,14 +476,7 @@ class Fetcher:
         rows: list[Any] = []
         claim: psycopg.AsyncCursor[Any] | None = None
         async with self.pool.connection() as conn:
-            self._claim_sent = asyncio.get_running_loop().time()
-            # Two round trips, in pipeline mode: BEGIN, the isolation level, the settings and the
-            # walk go together (the walk's rows are needed for the claim, which therefore starts
-            # after the walk ended: its snapshot is newer than the locks), then the claim and
-            # COMMIT. One round trip per statement made six.
-            async with conn.pipeline(), conn.transaction():
-                await conn.execute(q.begin_limited_claim)
-                await conn.execute(q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
+            async with self._limited_transaction(conn):
                 cur = await conn.execute(q.lock_limit_groups, params)
                 # In walk order (the statement's joins may return its rows in another): the
                 # claim gives turns in the order of g_tasks, and the cursor is a walk position.
