@@ -175,7 +175,10 @@ def wait_until(
 
 
 async def wait_until_async(
-    predicate: Callable[[], Any | Awaitable[Any]], timeout: float = 30.0, interval: float = 0.02
+    predicate: Callable[[], Any | Awaitable[Any]],
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    what: str | None = None,
 ) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -185,7 +188,7 @@ async def wait_until_async(
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+            raise AssertionError(f"condition not met within {timeout} s: {what or predicate}")
         await asyncio.sleep(interval)
 
 

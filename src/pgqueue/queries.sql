@@ -1274,6 +1274,18 @@ SELECT extract(epoch FROM least(
 -- 0016), so it commits with the ack and a refused ack writes none. Its worker is read from the
 -- statement's snapshot (the update clears it) by a subquery run per failed row only, one
 -- primary-key probe: a batch of successes inserts and reads nothing more.
+-- Acks that free limit slots wake the workers waiting for them in the same statement
+-- (complete_jobs_waking: {woke}, wake_waiting_workers' look for the queues in %(queues)s, run by
+-- the one-time filter {woke_gate} whether or not any ack was taken; the NOTIFY goes out when the
+-- acks commit). One statement, so one message with its Sync: a pipeline of the ack and a wake
+-- left the server inside the transaction, the acked rows locked, for as long as the Sync took
+-- to come, with no idle timeout (PostgreSQL starts it only at a Sync), for the whole outage of a
+-- worker cut off between the two.
+-- In a handler's own transaction (complete_jobs_in_transaction) the ack is the last statement
+-- before COMMIT, and {ack_idle} bounds that wait: a session idle in it longer than %(idle)s
+-- (half the lease) is ended by the server, its locks with it, so that a worker cut off there
+-- leaves the job's row to the reaper once the lease runs out instead of holding it locked for
+-- as long as the network takes to say the worker is gone.
 WITH done AS (
 UPDATE {schema}.pgqueue_jobs j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL AND a.status <> 'succeeded'
@@ -1292,7 +1304,7 @@ FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delay
             %(errors)b::text[], %(results)b::text[], %(run_seconds)b::float8[])
      AS a(id, token, status, delay, error, result, run_seconds)
 WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running'
-  AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL {lock_filter}
+  AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true){ack_idle}) IS NOT NULL {lock_filter}
 RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
                              THEN NOT pg_advisory_unlock(hashtext({channel}), 3)
                              ELSE true END) AS waited,
@@ -1305,8 +1317,8 @@ RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
            d.claimed_at, d.started_at, statement_timestamp(), d.status, left(d.error, 8000)
     FROM done d
     WHERE d.status <> 'succeeded'
-)
-SELECT id, waited FROM done
+){woke}
+SELECT id, waited FROM done{woke_gate}
 
 -- name: hand_off_queue_slots
 -- Pipelined after complete_jobs, in the acks' transaction, when the batch finished jobs of a
@@ -1582,11 +1594,7 @@ RETURNING j.id
 -- it notifies each queue once, only while some worker waits for work (migration 0004's lock).
 -- The jobs are committed by then, so a worker that starts waiting after this look still finds
 -- them with the claim it makes as it starts waiting.
-SELECT pg_notify({channel}, q.queue)
-FROM (SELECT DISTINCT unnest(%(queues)s::text[]) AS queue) q
-WHERE NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 1)
-                       THEN pg_advisory_unlock(hashtext({channel}), 1)
-                       ELSE false END)
+{wake_look}
 
 -- name: prune_workers
 -- Worker rows whose heartbeat stopped long ago (their jobs are the reaper's business).

@@ -67,6 +67,14 @@ SWEEP = {
     " AND (run_at, id) < (%(after_run_at)s::timestamptz, %(after_id)s::bigint)",
     "position_columns": ", priority, run_at::text",
 }
+#: wake_waiting_workers' look, also made by complete_jobs_waking: a NOTIFY per queue in
+#: %(queues)s, only while some worker waits for work (migration 0004's lock).
+WAKE_LOOK = (
+    "SELECT pg_notify({channel}, q.queue)"
+    " FROM (SELECT DISTINCT unnest(%(queues)s::text[]) AS queue) q"
+    " WHERE NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 1)"
+    " THEN pg_advisory_unlock(hashtext({channel}), 1) ELSE false END)"
+)
 #: Statements written once in queries.sql and rendered twice: the variant's name → its base
 #: section and the fragments it fills in. In the base each fragment is empty unless BASE names it.
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
@@ -89,6 +97,19 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
             "lock_filter": "AND a.id = ANY(ARRAY(SELECT l.id FROM {schema}.pgqueue_jobs l"
             " WHERE l.id = ANY(%(ids)b::bigint[]) ORDER BY l.id FOR UPDATE SKIP LOCKED))"
         },
+    ),
+    # The ack that also wakes the workers waiting for the slots it frees, and the ack in a
+    # handler's own transaction, which bounds the wait for its COMMIT (see complete_jobs).
+    "complete_jobs_waking": (
+        "complete_jobs",
+        {
+            "woke": f", woke AS ({WAKE_LOOK})",
+            "woke_gate": " WHERE (SELECT count(*) FROM woke) >= 0",
+        },
+    ),
+    "complete_jobs_in_transaction": (
+        "complete_jobs",
+        {"ack_idle": " || set_config('idle_in_transaction_session_timeout', %(idle)s, true)"},
     ),
     # regroup_leases for the rows it found locked: waits for them (under a lock_timeout).
     "regroup_leases_waiting": (
@@ -145,6 +166,7 @@ BASE = {
     "regroup_skip": "SKIP LOCKED",
     **HEAD_LOOKUPS,
     "limited_claimed": LIMITED_CLAIMED,
+    "wake_look": WAKE_LOOK,
     "queue_list": "(VALUES (NULL::text))",  # one probe per priority, for every queue at once
     "pruned_statuses": "'succeeded', 'cancelled'",
 }
@@ -234,6 +256,8 @@ class Queries:
     next_ready_at_in_queues: bytes
     complete_jobs: bytes
     complete_jobs_skip_locked: bytes
+    complete_jobs_waking: bytes
+    complete_jobs_in_transaction: bytes
     hand_off_queue_slots: bytes
     notify_finished: bytes
     announce_result_wait: bytes

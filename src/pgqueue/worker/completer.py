@@ -307,32 +307,32 @@ class Completer:
         if skip_locked:
             cur = await conn.execute(self.q.complete_jobs_skip_locked, params)
         else:
+            # The wake rides in the acks' statement (complete_jobs_waking): the NOTIFY commits
+            # with the acks, never without them, and the statement goes with its Sync.
+            ack = self.q.complete_jobs
+            if wake:
+                self.own_pid(conn.info.backend_pid)
+                ack, params = self.q.complete_jobs_waking, {**params, "queues": wake}
             try:
-                if wake or hand:
-                    # One implicit transaction until the pipeline's sync: the NOTIFY and the
-                    # hand-off's claims commit with the acks, never without them.
-                    handing: psycopg.AsyncCursor[Any] | None = None
-                    if wake:
-                        self.own_pid(conn.info.backend_pid)
+                if hand is not None:
+                    # One implicit transaction until the pipeline's sync: the hand-off's claims
+                    # commit with the acks, never without them. (Each statement goes out as it
+                    # is queued: the server holds the acked rows until the sync arrives, with
+                    # no idle timeout meanwhile; docs/guarantees.md, "Cut off mid-transaction".)
                     async with conn.pipeline():
-                        cur = await conn.execute(self.q.complete_jobs, params)
-                        if hand is not None:
-                            # The limited claim's settings: the scans' are what the hand-off
-                            # needs (its idle timeout never fires in a pipelined transaction).
-                            idle = {"idle": LIMIT_CLAIM_IDLE_MS}
-                            await conn.execute(self.q.limit_claim_settings, idle)
-                            handing = await conn.execute(self.q.hand_off_queue_slots, hand)
-                        if wake:
-                            await conn.execute(self.q.wake_waiting_workers, {"queues": wake})
-                    self.woke = frozenset(wake)
-                    if handing is not None and hand is not None:  # (hand: for mypy)
-                        rows = await handing.fetchall()
-                        if rows:
-                            self.handed = Counter(str(row[1]) for row in rows)
-                            self.handed_off += len(rows)
-                            self.on_handed_off(rows, hand["token"])
+                        cur = await conn.execute(ack, params)
+                        # The limited claim's settings: the scans' are what the hand-off needs.
+                        idle = {"idle": LIMIT_CLAIM_IDLE_MS}
+                        await conn.execute(self.q.limit_claim_settings, idle)
+                        handing = await conn.execute(self.q.hand_off_queue_slots, hand)
+                    rows = await handing.fetchall()
+                    if rows:
+                        self.handed = Counter(str(row[1]) for row in rows)
+                        self.handed_off += len(rows)
+                        self.on_handed_off(rows, hand["token"])
                 else:
-                    cur = await conn.execute(self.q.complete_jobs, params)
+                    cur = await conn.execute(ack, params)
+                self.woke = frozenset(wake)
             except pgerrors.LockNotAvailable:
                 # A row locked by someone else: write around it (module docstring).
                 skip_locked = True

@@ -74,13 +74,22 @@ class Outcome:
 #: How long an ack waits for a job's row lock before the completer writes around it (see
 #: complete_jobs), in PostgreSQL's notation.
 ACK_LOCK_TIMEOUT = "100ms"
+#: How long a handler's transaction may sit idle between its ack and COMMIT
+#: (complete_jobs_in_transaction): half the lease, which the executor passes; this is half the
+#: default lease, for callers that do not.
+ACK_IDLE_TIMEOUT = "15s"
 
 
 def ack_params(
-    batch: list[Outcome], *, packed: bool = False, lock_timeout: str = ACK_LOCK_TIMEOUT
+    batch: list[Outcome],
+    *,
+    packed: bool = False,
+    lock_timeout: str = ACK_LOCK_TIMEOUT,
+    idle: str = ACK_IDLE_TIMEOUT,
 ) -> dict[str, Any]:
     """``complete_jobs``'s parameters: one array per column, one element per job. ``packed``:
-    pre-packed where ``arrays`` can (only on connections that ``arrays.register`` set up)."""
+    pre-packed where ``arrays`` can (only on connections that ``arrays.register`` set up).
+    ``idle``: complete_jobs_in_transaction's bound on the wait for COMMIT (unused elsewhere)."""
     ids = [o.job_id for o in batch]
     tokens = [o.lease_token for o in batch]
     statuses = [o.status for o in batch]
@@ -91,6 +100,7 @@ def ack_params(
     if not packed:
         return {
             "lock_timeout": lock_timeout,
+            "idle": idle,
             "ids": ids,
             "tokens": tokens,
             "statuses": [s.value for s in statuses],
@@ -101,6 +111,7 @@ def ack_params(
         }
     return {
         "lock_timeout": lock_timeout,
+        "idle": idle,
         "ids": arrays.int8_array(ids),
         "tokens": arrays.uuid_array(tokens),
         "statuses": arrays.status_array(statuses),
@@ -368,6 +379,7 @@ class Executor:
             return ack_params(
                 [self._outcome(job, started, Status.SUCCEEDED, None, None, text)],
                 lock_timeout=self.transactions.lock_timeout,
+                idle=self.transactions.idle_timeout,
             )
 
         if task.is_async:

@@ -406,17 +406,22 @@ class Fetcher:
         return jobs
 
     @contextlib.asynccontextmanager
-    async def _limited_transaction(self, conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+    async def _limited_transaction(
+        self, conn: psycopg.AsyncConnection[Any]
+    ) -> AsyncIterator[psycopg.AsyncPipeline]:
         """A limited claim's transaction on ``conn`` (claim_head's, claim_walk's). Two round
         trips, in pipeline mode: BEGIN, the isolation level, the settings and the first
         statement go together (its rows are needed for the claim, which therefore starts after
         it ended: its snapshot is newer than the locks), then the claim and COMMIT. One round
-        trip per statement made six."""
+        trip per statement made six. The first round trip ends with a Sync (the caller's
+        ``pipeline.sync()``), not psycopg's flush request: only a Sync starts the server's
+        idle timeout, so a worker cut off while it chooses what to claim holds the groups'
+        locks LIMIT_CLAIM_IDLE_MS at most, not until the network says it is gone."""
         self._claim_sent = asyncio.get_running_loop().time()
-        async with conn.pipeline(), conn.transaction():
+        async with conn.pipeline() as pipeline, conn.transaction():
             await conn.execute(self.q.begin_limited_claim)
             await conn.execute(self.q.limit_claim_settings, {"idle": LIMIT_CLAIM_IDLE_MS})
-            yield
+            yield pipeline
 
     async def claim_head(self, limit: int) -> tuple[list[ClaimedJob], bool, bool]:
         """Jobs of free limit groups at the head of the queue (lock_head_groups, then
@@ -430,7 +435,7 @@ class Fetcher:
         rows: list[Any] = []
         claim: psycopg.AsyncCursor[Any] | None = None
         async with self.pool.connection() as conn:
-            async with self._limited_transaction(conn):
+            async with self._limited_transaction(conn) as pipeline:
                 cur = await conn.execute(
                     q.lock_head_groups,
                     {
@@ -440,6 +445,7 @@ class Fetcher:
                         "scan": min(HEAD_SCAN_FACTOR * limit, LIMIT_SCAN_MAX),
                     },
                 )
+                await pipeline.sync()
                 ids, keys, could, walks = read_head(await cur.fetchall(), limit)
                 if ids:
                     arrays.register(conn)
@@ -476,8 +482,9 @@ class Fetcher:
         rows: list[Any] = []
         claim: psycopg.AsyncCursor[Any] | None = None
         async with self.pool.connection() as conn:
-            async with self._limited_transaction(conn):
+            async with self._limited_transaction(conn) as pipeline:
                 cur = await conn.execute(q.lock_limit_groups, params)
+                await pipeline.sync()
                 # In walk order (the statement's joins may return its rows in another): the
                 # claim gives turns in the order of g_tasks, and the cursor is a walk position.
                 locks = sorted(await cur.fetchall(), key=lambda row: row[3] or 0)

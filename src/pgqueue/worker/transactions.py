@@ -17,7 +17,11 @@ Any isolation level works: nothing writes a running job's row between its claim 
 worker's lease is one row of its own, see ``heartbeat``), so the ack of a REPEATABLE READ or
 SERIALIZABLE transaction conflicts with nothing of the worker's. The ack waits for the job's
 row lock no longer than the lease (``lock_timeout`` in ``complete_jobs``): if someone else holds
-the row that long, the attempt fails and is retried instead of waiting without end.
+the row that long, the attempt fails and is retried instead of waiting without end. Once the
+ack is written the row stays locked until COMMIT, and a worker cut off from the server right
+then would hold it for as long as the network takes to say so (the reaper skips locked rows):
+the ack also sets the transaction's idle timeout to half the lease
+(``complete_jobs_in_transaction``), past which the server ends the session.
 """
 
 from __future__ import annotations
@@ -134,6 +138,10 @@ class Transactions:
         #: How long a handler's ack waits for its row lock, in PostgreSQL's notation (whose
         #: lock_timeout ends at 2^31 - 1 ms, about 24 days).
         self.lock_timeout = f"{min(max(int(lock_timeout * 1000), 1), 2**31 - 1)}ms"
+        #: How long the server lets the transaction sit idle between its ack and COMMIT (half
+        #: the lease; complete_jobs_in_transaction): a worker cut off there leaves the job's
+        #: row locked no longer than that, so the reaper can take it once the lease runs out.
+        self.idle_timeout = f"{min(max(int(lock_timeout * 500), 1), 2**31 - 1)}ms"
         self._async: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._sync: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._lock = threading.Lock()
@@ -185,7 +193,7 @@ class Transactions:
             try:
                 async with conn.transaction():
                     result = await call(conn)
-                    cur = await conn.execute(self.q.complete_jobs, ack(result))
+                    cur = await conn.execute(self.q.complete_jobs_in_transaction, ack(result))
                     if not await cur.fetchall():
                         raise psycopg.Rollback()  # the lease is gone: none of it may stay
                     acked = True
@@ -206,7 +214,9 @@ class Transactions:
             try:
                 with conn.transaction():
                     result = call(conn)
-                    if not conn.execute(self.q.complete_jobs, ack(result)).fetchall():
+                    if not conn.execute(
+                        self.q.complete_jobs_in_transaction, ack(result)
+                    ).fetchall():
                         raise psycopg.Rollback()
                     acked = True
             except (psycopg.OperationalError, OSError) as exc:
