@@ -59,10 +59,11 @@ HANDOFF_FEED: list[tuple[str, float, tuple[float, float], dict[str, Any]]] = [
 #: rate), the tenants interleaved, so that the first jobs waiting (ahead of the other limited
 #: tasks' backlogs, by their priority) are of groups with room and the limited claims take them
 #: from the head of the queue (concepts/limits.md) rather than by the walk over the groups. Only
-#: in runs of at least SPREAD_RATE jobs a second (`make chaos`, not the test suite's small runs:
-#: there the small `blackhole` run failed its recovery bound 2 times in about 40 with them, on a
-#: cut-off worker's jobs reaped seconds late, and once counted an unexplained re-claim; see
-#: docs/guarantees.md).
+#: in runs of at least SPREAD_RATE jobs a second (`make chaos`, not the test suite's small runs,
+#: which keep their load light: there the small `blackhole` run failed its recovery bound 2 times
+#: in about 40 with them, on a cut-off worker's jobs reaped seconds late, and once counted an
+#: unexplained re-claim; the cause, transactions left waiting on the server with no idle timeout,
+#: is closed except for an event-loop turn, docs/guarantees.md "Cut off mid-transaction").
 SPREAD_EVERY = 30
 SPREAD_BATCHES = 5
 SPREAD_TENANTS = 100
