@@ -1723,7 +1723,11 @@ SELECT {schema}.pgqueue_archive_partitions(%(keep_seconds)s::float8, %(with_dead
 
 -- name: lock_schedule_sync
 -- Syncs, prunes and transfers run one after another, so each sees the others' rows whole.
-SELECT pg_advisory_xact_lock(hashtextextended('pgqueue.schedules:' || %(schema)s, 0))
+-- The transaction's idle timeout: one whose client was cut off from the server ends 10 s after
+-- its last statement instead of holding the lock (and every other sync behind it) until TCP
+-- gives up on the client (docs/guarantees.md, "Cut off mid-transaction").
+SELECT set_config('idle_in_transaction_session_timeout', '10s', true),
+       pg_advisory_xact_lock(hashtextextended('pgqueue.schedules:' || %(schema)s, 0))
 
 -- name: schedule_owners
 -- Names a sync or a prune wants that another app owns: refused by name, so the log can say
@@ -1793,9 +1797,14 @@ RETURNING name
 -- and once that commits its next_run_at is in the future, so the row no longer matches (READ
 -- COMMITTED re-checks the WHERE on the newest row version). "Due" is the database clock. The
 -- task and arguments let a scheduler whose app declares the task's limit compute the jobs' group.
+-- The firing transaction's idle timeout is set here (a one-time filter, before any row is
+-- locked): a scheduler cut off from the server between its statements has its session ended
+-- 10 s after the last one, so that the rows it locked go back to the other schedulers instead of
+-- missing their ticks until TCP gives up on it (docs/guarantees.md, "Cut off mid-transaction").
 SELECT name, cron, next_run_at, missed, max_catchup, now(), task, args::text
 FROM {schema}.pgqueue_schedules
 WHERE enabled AND NOT paused AND next_run_at <= now()
+  AND (SELECT set_config('idle_in_transaction_session_timeout', '10s', true)) IS NOT NULL
 ORDER BY next_run_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED

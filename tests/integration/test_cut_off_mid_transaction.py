@@ -31,6 +31,7 @@ from pgqueue.worker import fetcher as fetcher_module
 from pgqueue.worker.completer import Completer
 from pgqueue.worker.executor import Outcome, ack_params
 from pgqueue.worker.fetcher import Fetcher
+from pgqueue.worker.scheduler import Scheduler
 from pgqueue.worker.state import WorkerState
 from pgqueue.worker.transactions import Transactions
 from tests.chaos.proxy import BlackholeProxy
@@ -226,3 +227,43 @@ async def test_a_limited_claim_cut_off_while_it_chooses_frees_its_groups_within_
             finally:
                 proxy.heal()
                 await finish(claiming)
+
+
+async def test_a_scheduler_cut_off_while_it_fires_leaves_the_tick_to_another_within_its_timeout(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """A scheduler fires a tick in one transaction: it locks the due schedules (SKIP LOCKED, so
+    that every worker's scheduler can run at once), inserts their jobs, advances them. Cut off
+    after the lock, it held the rows, with no timeout, and every other scheduler skipped the
+    schedule: its ticks stopped until the cut ended. The firing transaction's idle timeout (10
+    s) now ends the session, and another scheduler fires the tick, once."""
+    app.task(name="tick")(lambda: None)
+    app.schedule("report", "* * * * *", task="tick")
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as direct:
+        await Scheduler(app).sync(direct)
+        conn.execute(
+            "UPDATE pgqueue_schedules SET next_run_at = date_trunc('second', now())"
+            " - interval '30 seconds'"
+        )
+        with proxied(dsn) as (proxy, through):
+            async with await psycopg.AsyncConnection.connect(through, autocommit=True) as c:
+                execute = c.execute
+
+                async def cut_after_the_lock(query: Any, *args: Any, **kwargs: Any) -> Any:
+                    if query == app.q.lock_due_schedules:
+                        proxy.cut_after_next_execute()  # the lock arrives, nothing after it
+                    return await execute(query, *args, **kwargs)
+
+                c.execute = cut_after_the_lock  # type: ignore[method-assign]
+                firing = asyncio.create_task(Scheduler(app).tick(c))
+                try:
+                    await wait_until_async(lambda: proxy.holding, timeout=10, what="the cut")
+                    other = Scheduler(app)
+                    await wait_until_async(
+                        lambda: other.tick(direct), timeout=30, what="another scheduler fired"
+                    )
+                finally:
+                    proxy.heal()
+                    await finish(firing)
+    fired = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE schedule_name = 'report'")
+    assert fired.fetchall() == [(1,)]
