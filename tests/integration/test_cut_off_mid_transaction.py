@@ -94,8 +94,9 @@ def row_state(conn: Conn, job_id: int) -> str | None:
     return str(row[0])
 
 
-async def finish(task: asyncio.Task[Any]) -> None:
-    """The cut-off side's call, once the proxy healed: it may end either way, but it ends."""
+async def finish(proxy: BlackholeProxy, task: asyncio.Task[Any]) -> None:
+    """Heal the cut and let the cut-off side's call end: it may end either way, but it ends."""
+    proxy.heal()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(task, 30)
 
@@ -129,8 +130,7 @@ async def test_acks_that_wake_waiting_workers_commit_with_the_message_that_carri
                 notices = list(waiting.notifies(timeout=10, stop_after=1))
                 assert [n.payload for n in notices] == ["default"]
             finally:
-                proxy.heal()
-                await finish(write)
+                await finish(proxy, write)
 
 
 async def test_a_handler_transaction_cut_off_after_its_ack_frees_the_jobs_row_within_half_the_lease(
@@ -169,8 +169,7 @@ async def test_a_handler_transaction_cut_off_after_its_ack_frees_the_jobs_row_wi
             ).fetchone()
             assert row == (token,)
         finally:
-            proxy.heal()
-            await finish(run)
+            await finish(proxy, run)
             await tx.close()
 
 
@@ -225,8 +224,7 @@ async def test_a_limited_claim_cut_off_while_it_chooses_frees_its_groups_within_
                     what="another worker claimed from the group",
                 )
             finally:
-                proxy.heal()
-                await finish(claiming)
+                await finish(proxy, claiming)
 
 
 async def test_a_scheduler_cut_off_while_it_fires_leaves_the_tick_to_another_within_its_timeout(
@@ -263,7 +261,6 @@ async def test_a_scheduler_cut_off_while_it_fires_leaves_the_tick_to_another_wit
                         lambda: other.tick(direct), timeout=30, what="another scheduler fired"
                     )
                 finally:
-                    proxy.heal()
-                    await finish(firing)
+                    await finish(proxy, firing)
     fired = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE schedule_name = 'report'")
     assert fired.fetchall() == [(1,)]
