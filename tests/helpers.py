@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import conninfo, sql
 
 import pgqueue
@@ -29,6 +30,7 @@ from pgqueue.limits import group_name
 from pgqueue.sql import queries
 from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS, read_head
 from pgqueue.worker.runtime import Worker
+from tests.chaos.proxy import BlackholeProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -275,3 +277,19 @@ def worker_process(
             yield procs.start(*args)
         finally:
             procs.stop_all(15)
+
+
+@contextlib.contextmanager
+def proxied(dsn: str) -> Iterator[tuple[BlackholeProxy, str]]:
+    """A proxy that can cut the network (tests/chaos/proxy.py) in front of the test's server,
+    and the DSN that goes through it."""
+    info = conninfo.conninfo_to_dict(dsn)
+    host = str(info.get("host") or "127.0.0.1")
+    if host.startswith("/"):
+        pytest.skip("the test server listens on a Unix socket only")
+    proxy = BlackholeProxy(host, int(str(info.get("port") or 5432)))
+    try:
+        yield proxy, conninfo.make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
+    finally:
+        proxy.heal()
+        proxy.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import conninfo, sql
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 import pgqueue
@@ -35,24 +35,9 @@ from pgqueue.worker.scheduler import Scheduler
 from pgqueue.worker.state import WorkerState
 from pgqueue.worker.transactions import Transactions
 from tests.chaos.proxy import BlackholeProxy
-from tests.helpers import head_claim, register_worker, wait_until_async
+from tests.helpers import head_claim, proxied, register_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
-
-
-@contextlib.contextmanager
-def proxied(dsn: str) -> Any:
-    """A proxy in front of the test's server, and the DSN that goes through it."""
-    info = conninfo.conninfo_to_dict(dsn)
-    host = str(info.get("host") or "127.0.0.1")
-    if host.startswith("/"):
-        pytest.skip("the test server listens on a Unix socket only")
-    proxy = BlackholeProxy(host, int(str(info.get("port") or 5432)))
-    try:
-        yield proxy, conninfo.make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
-    finally:
-        proxy.heal()
-        proxy.close()
 
 
 @contextlib.asynccontextmanager

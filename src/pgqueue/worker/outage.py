@@ -130,6 +130,16 @@ class PoolNoise(logging.Filter):
         self.prefix = application_name.encode()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # It runs inside psycopg_pool's code, which logs a closed connection's warning right
+        # before it replaces the connection: an exception here skipped the replacement and the
+        # pool lost that slot for good (a handler pool with none left made every later job
+        # wait for ever). Whatever goes wrong, the record is kept.
+        try:
+            return self._keep(record)
+        except Exception:
+            return True
+
+    def _keep(self, record: logging.LogRecord) -> bool:
         if record.msg not in _POOL_NOISE:
             return True
         subject = record.args[0] if isinstance(record.args, tuple) and record.args else None
@@ -138,6 +148,10 @@ class PoolNoise(logging.Filter):
         if isinstance(subject, BaseException):  # a reset that met the lost connection
             return not unreachable(subject)
         if isinstance(subject, psycopg.BaseConnection):
+            if subject.pgconn.pgconn_ptr is None:
+                # Closed by psycopg itself (a cancelled query whose cancel went unanswered):
+                # its parameters went with it, so whose it was cannot be told.
+                return not self.outage.noisy
             name = subject.pgconn.parameter_status(b"application_name") or b""
             return not name.startswith(self.prefix)
         return True
