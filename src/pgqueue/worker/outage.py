@@ -148,10 +148,11 @@ class PoolNoise(logging.Filter):
         if isinstance(subject, BaseException):  # a reset that met the lost connection
             return not unreachable(subject)
         if isinstance(subject, psycopg.BaseConnection):
-            if subject.pgconn.pgconn_ptr is None:
+            try:
+                name = subject.pgconn.parameter_status(b"application_name") or b""
+            except psycopg.OperationalError:
                 # Closed by psycopg itself (a cancelled query whose cancel went unanswered):
                 # its parameters went with it, so whose it was cannot be told.
                 return not self.outage.noisy
-            name = subject.pgconn.parameter_status(b"application_name") or b""
             return not name.startswith(self.prefix)
         return True
