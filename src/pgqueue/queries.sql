@@ -1578,6 +1578,29 @@ RETURNING j.id, j.status::text AS status, j.attempts, j.queue, expired.worker_id
 )
 SELECT id, status, attempts, queue FROM reaped
 
+-- name: end_lapsed_sessions
+-- Run by the reaper before it reaps: ends the sessions that workers whose lease ran out left
+-- waiting inside a transaction on the server, so that the rows they hold (the reaper skips
+-- locked rows) are freed and reaped. A worker cut off from the server mid-transaction leaves
+-- its transaction open until TCP gives up on it (hours, with the server's default keepalives);
+-- its lease is over, so whatever that transaction would still write is fenced anyway
+-- (docs/guarantees.md, "Cut off mid-transaction"). A worker's sessions carry its id in their
+-- application_name (pgqueue-worker:PID:ID:ROLE, ID the first 16 hex digits of the worker's id).
+-- Only sessions waiting for their client inside a transaction: idle in one, or in the middle of
+-- a pipeline (active, reading from the client); a statement still running ends on its own. Only
+-- sessions this role may end (pg_terminate_backend's own rule), never the caller's own worker's
+-- nor its own session. The count is of sessions told to end: each exits, and its locks go, a
+-- moment later.
+SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
+FROM pg_stat_activity a
+JOIN {schema}.pgqueue_workers w
+  ON a.application_name LIKE 'pgqueue-worker:%%:' || left(replace(w.id::text, '-', ''), 16) || ':%%'
+WHERE w.lease_expires_at < now() AND w.id IS DISTINCT FROM %(worker_id)s::uuid
+  AND a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND a.xact_start IS NOT NULL
+  AND (a.state LIKE 'idle in transaction%%' OR (a.state = 'active' AND a.wait_event = 'ClientRead'))
+  AND pg_has_role(a.usesysid, 'MEMBER')
+
 -- name: expire_leases
 -- Gives attempts up that this worker can no longer see through (an ack that cannot be written,
 -- a job it lost track of): their lease ends now, and the next reaper round records them as

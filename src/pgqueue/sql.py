@@ -272,6 +272,7 @@ class Queries:
     deregister_worker: bytes
     worker_fleet: bytes
     reap_expired_leases: bytes
+    end_lapsed_sessions: bytes
     expire_leases: bytes
     wake_waiting_workers: bytes
     prune_workers: bytes

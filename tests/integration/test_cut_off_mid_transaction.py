@@ -31,6 +31,7 @@ from pgqueue.worker import fetcher as fetcher_module
 from pgqueue.worker.completer import Completer
 from pgqueue.worker.executor import Outcome, ack_params
 from pgqueue.worker.fetcher import Fetcher
+from pgqueue.worker.reaper import Reaper
 from pgqueue.worker.scheduler import Scheduler
 from pgqueue.worker.state import WorkerState
 from pgqueue.worker.transactions import Transactions
@@ -249,3 +250,55 @@ async def test_a_scheduler_cut_off_while_it_fires_leaves_the_tick_to_another_wit
                     await finish(proxy, firing)
     fired = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE schedule_name = 'report'")
     assert fired.fetchall() == [(1,)]
+
+
+async def test_the_reaper_ends_a_lapsed_workers_sessions_left_inside_a_transaction(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """What no timeout covers (a pipeline's next message, a handler's transaction before its
+    ack, the server's default keepalives) is bounded by the lease: a worker whose lease ran out
+    is fenced, and the reaper ends its sessions that wait inside a transaction, so the rows
+    they hold are reaped. Only those: a live worker's transaction, a lapsed worker's session
+    outside any transaction and other applications' sessions are left alone."""
+    job_id, _ = claimed(app, conn)
+    ((worker,),) = conn.execute(
+        "SELECT worker_id FROM pgqueue_jobs WHERE id = %s", (job_id,)
+    ).fetchall()
+    live = uuid.uuid4()
+    register_worker(conn, live)
+    conn.execute("UPDATE pgqueue_workers SET lease_expires_at = now() WHERE id = %s", (worker,))
+
+    def session(owner: uuid.UUID | None, role: str = "handler") -> psycopg.Connection[Any]:
+        name = "an-application" if owner is None else f"pgqueue-worker:4242:{owner.hex[:16]}:{role}"
+        return psycopg.connect(dsn, application_name=name)
+
+    with (
+        session(worker) as zombie,
+        session(worker, "listen") as idle,
+        session(live) as healthy,
+        session(None) as other,
+    ):
+        zombie.execute("SELECT 1 FROM pgqueue_jobs WHERE id = %s FOR UPDATE", (job_id,))
+        idle.commit()  # connected, outside any transaction
+        healthy.execute("SELECT 1")
+        other.execute("SELECT 1")
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            dsn, min_size=1, max_size=1, open=False, kwargs={"autocommit": True}
+        )
+        await pool.open()
+        reaper = Reaper(
+            pool, app.q, WorkerState(concurrency=1), backoff=app.backoff,
+            interval=1.0, lease=30.0, retention=None, worker_id=live,
+        )  # fmt: skip
+        try:
+            assert await asyncio.wait_for(reaper.reap(), 10) == 1
+        finally:
+            await pool.close()
+        assert reaper.ended == 1
+        assert conn.execute(
+            "SELECT status::text FROM pgqueue_jobs WHERE id = %s", (job_id,)
+        ).fetchone() == ("retrying",)
+        with pytest.raises(psycopg.OperationalError):
+            zombie.execute("SELECT 1")
+        for survivor in (idle, healthy, other):
+            assert survivor.execute("SELECT 1").fetchone() == (1,)

@@ -17,6 +17,12 @@ re-checks the expired lease on the newest row version (see ``reap_expired_leases
 reapers, or a reaper racing a late completion, can never overwrite a job that finished or was
 claimed again; it skips rows locked right now instead of waiting for them, so one stuck row
 never holds up the round. Reaped jobs that will run again wake waiting workers.
+
+A row stays locked, and so unreaped, for as long as the transaction that locked it lives, and a
+worker cut off from the server in the middle of one leaves it open until TCP gives up on the
+worker (hours, with the server's default keepalives). So each round first ends the sessions that
+workers whose lease ran out left waiting inside a transaction (``end_lapsed_sessions``; their
+writes would be fenced anyway), and reaps after they have had ``ENDED_SETTLE`` to exit.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
+
+import psycopg
 
 from ..backoff import Backoff
 from ..sql import Queries
@@ -37,6 +46,9 @@ log = logging.getLogger("pgqueue.worker.reaper")
 
 PRUNE_BATCH = 10_000  # rows per statement: 60-100 ms each beside 10 million finished rows
 PRUNE_BUDGET = 10.0  # seconds of batches per prune; the rest waits for the next prune
+#: Seconds a round waits, after ending lapsed workers' sessions, for them to exit (and release
+#: their locks) before it reaps.
+ENDED_SETTLE = 0.2
 
 
 class Reaper:
@@ -56,7 +68,14 @@ class Reaper:
         batch: int = PRUNE_BATCH,
         wake: Callable[[list[str]], None] = lambda queues: None,
         fleet: Callable[[], int] = lambda: 1,
+        worker_id: UUID | None = None,
     ) -> None:
+        #: This reaper's worker: its own sessions are never ended (its heartbeat sees its lease).
+        self.worker_id = worker_id
+        #: Sessions of lapsed workers ended so far.
+        self.ended = 0
+        #: False once the server said this role may not end them (logged once).
+        self._may_end = True
         #: The live workers (the heartbeat counts them): prunes are spaced by it.
         self.fleet = fleet
         self._prune_at = 0.0  # monotonic: the first round prunes
@@ -83,6 +102,8 @@ class Reaper:
             "backoff_cap": self.backoff.cap,
             "pause": self.pause_for_tests,
         }
+        if await self.end_lapsed_sessions():
+            await asyncio.sleep(ENDED_SETTLE)
         async with self.pool.connection() as conn:
             cur = await conn.execute(self.q.reap_expired_leases, params)
             rows = await cur.fetchall()
@@ -98,6 +119,31 @@ class Reaper:
             # which other jobs of its queue may wait (concepts/limits.md).
             self.wake([str(queue) for _, _, _, queue in rows])
         return len(rows)
+
+    async def end_lapsed_sessions(self) -> int:
+        """End the sessions that workers whose lease ran out left waiting inside a transaction
+        (see the module docstring); how many."""
+        if not self._may_end:
+            return 0
+        try:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(self.q.end_lapsed_sessions, {"worker_id": self.worker_id})
+                row = await cur.fetchone()
+        except psycopg.errors.InsufficientPrivilege as exc:
+            self._may_end = False
+            log.warning(
+                "cannot end the sessions of workers whose lease ran out (%s); rows such a "
+                "session holds are reaped once the server drops it", exc,
+            )  # fmt: skip
+            return 0
+        ended = int(row[0]) if row else 0
+        if ended:
+            self.ended += ended
+            log.warning(
+                "ended %d session(s) of workers whose lease ran out, left waiting inside a "
+                "transaction (a worker cut off from the server)", ended,
+            )  # fmt: skip
+        return ended
 
     async def prune(self) -> int:
         """Remove (or archive) finished jobs past their retention in batches until none are left

@@ -287,7 +287,9 @@ class Worker:
         self.state = state = WorkerState(concurrency=self.concurrency, prefetch=self.prefetch)
         self.slots = Slots(state, self._execute)
         q = self.app.q
-        name = f"pgqueue-worker:{os.getpid()}"
+        # The worker's id in every session's name: a reaper ends the sessions a worker whose
+        # lease ran out left waiting inside a transaction (end_lapsed_sessions).
+        name = f"pgqueue-worker:{os.getpid()}:{self.id.hex[:16]}"
         pool_noise = PoolNoise(state.outage, name)
         logging.getLogger("psycopg.pool").addFilter(pool_noise)
         try:
@@ -408,6 +410,7 @@ class Worker:
             archive_retention=self.archive_retention,
             wake=self._wake_reaped,
             fleet=self._fleet_size,
+            worker_id=self.id,
         )
         self.notifier = Notifier(
             dsn,
