@@ -36,7 +36,7 @@ from pgqueue.worker.scheduler import Scheduler
 from pgqueue.worker.state import WorkerState
 from pgqueue.worker.transactions import Transactions
 from tests.chaos.proxy import BlackholeProxy
-from tests.helpers import head_claim, proxied, register_worker, wait_until_async
+from tests.helpers import head_claim, proxied, register_worker, running_worker, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -302,3 +302,35 @@ async def test_the_reaper_ends_a_lapsed_workers_sessions_left_inside_a_transacti
             zombie.execute("SELECT 1")
         for survivor in (idle, healthy, other):
             assert survivor.execute("SELECT 1").fetchone() == (1,)
+
+
+async def test_a_workers_sessions_carry_the_id_the_reaper_looks_for(
+    app: pgqueue.App, conn: Conn
+) -> None:
+    """end_lapsed_sessions finds a worker's sessions by the id in their application_name: every
+    session a running worker opens (its pool, its LISTEN, its handlers' transactions) must carry
+    it in the form the statement matches."""
+    seen: list[str] = []
+
+    @app.task
+    async def hold(c: psycopg.AsyncConnection[Any]) -> None:
+        cur = await c.execute("SELECT current_setting('application_name')")
+        row = await cur.fetchone()
+        assert row is not None
+        seen.append(str(row[0]))
+
+    async with running_worker(app, concurrency=2, poll_interval=0.2) as worker:
+        app.enqueue("hold")
+        await wait_until_async(lambda: seen, timeout=30, what="the handler ran")
+        rows = conn.execute(
+            "SELECT a.application_name FROM pg_stat_activity a JOIN pgqueue_workers w"
+            " ON a.application_name LIKE 'pgqueue-worker:%%:'"
+            " || left(replace(w.id::text, '-', ''), 16) || ':%%'"
+            " WHERE w.id = %s AND a.datname = current_database()",
+            (worker.id,),
+        ).fetchall()
+    roles = {str(name).rsplit(":", 1)[1] for (name,) in rows}
+    assert {"pool", "listen"} <= roles
+    assert seen[0].startswith("pgqueue-worker:") and seen[0].endswith(
+        f":{worker.id.hex[:16]}:handler"
+    )
