@@ -8,19 +8,27 @@ backlog slowed as it went (a queue limited to 100: 6,500 jobs/s over 300,000 job
 17,000). The claim's transaction turns bitmap and sequential scans off, and JIT with them
 (limit_claim_settings): a plain index scan marks the dead entries as it passes them and later
 claims step over them.
+
+A scan marks an entry dead only once no transaction on the whole server could still see its row
+version: any transaction of any database with an older xid holds that back, and the suite's other
+tests run such transactions all the time on the shared server (their handlers' transactions, the
+fault suite's workers). So these tests run on a cluster of their own, where nothing else runs.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
 import pgqueue
+from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.sql import queries
+from pgqueue.testing.databases import TemplateDatabases
 from pgqueue.worker.fetcher import read_head
 from tests.helpers import (
     begin_limited_claim,
@@ -35,6 +43,29 @@ JOBS = 20_000
 RAN = 15_000
 RUNNING = 500
 RUNNING_INDEXES = ("pgqueue_jobs_running_idx", "pgqueue_jobs_running_limited_idx")
+
+
+@pytest.fixture(scope="module")
+def quiet_server() -> Iterator[TemplateDatabases]:
+    """A cluster for this module alone (see the module's docstring)."""
+    cluster = EmbeddedPostgres().start()
+    try:
+        server = TemplateDatabases.start(cluster.dsn, label="claim-reads")
+    except BaseException:
+        cluster.stop()
+        raise
+    try:
+        yield server
+    finally:
+        server.close()
+        cluster.stop()
+
+
+@pytest.fixture
+def dsn(quiet_server: TemplateDatabases) -> Iterator[str]:
+    """A fresh, migrated database on the module's own cluster (``app`` and ``conn`` use it)."""
+    with quiet_server.database() as database:
+        yield database
 
 
 def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
