@@ -13,9 +13,9 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.errors import ConfigurationError
 from pgqueue.testing.databases import TemplateDatabases
+from tests.helpers import own_cluster
 from tests.replication import Replicated
 from tests.replication import replicated as start_replicated
 
@@ -46,17 +46,8 @@ def dsn(pg_server: Server) -> Iterator[str]:
 def other_server() -> Iterator[Server]:
     """A second PostgreSQL cluster of the session's own (initdb + pg_ctl), whatever
     ``PGQUEUE_TEST_DSN`` says about the first: for queues routed to another cluster."""
-    cluster = EmbeddedPostgres().start()
-    try:
-        server = TemplateDatabases.start(cluster.dsn, label="other")
-    except BaseException:
-        cluster.stop()
-        raise
-    try:
+    with own_cluster("other") as server:
         yield server
-    finally:
-        server.close()
-        cluster.stop()
 
 
 @pytest.fixture

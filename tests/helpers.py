@@ -26,8 +26,10 @@ from psycopg import conninfo, sql
 
 import pgqueue
 from pgqueue.db import channel_for
+from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.limits import group_name
 from pgqueue.sql import queries
+from pgqueue.testing.databases import TemplateDatabases
 from pgqueue.worker.fetcher import LIMIT_CLAIM_IDLE_MS, read_head
 from pgqueue.worker.runtime import Worker
 from tests.chaos.proxy import BlackholeProxy
@@ -293,3 +295,20 @@ def proxied(dsn: str) -> Iterator[tuple[BlackholeProxy, str]]:
     finally:
         proxy.heal()
         proxy.close()
+
+
+@contextlib.contextmanager
+def own_cluster(label: str) -> Iterator[TemplateDatabases]:
+    """A PostgreSQL cluster started for the caller alone (initdb + pg_ctl), whatever
+    ``PGQUEUE_TEST_DSN`` says, with migrated template databases; stopped at the end."""
+    cluster = EmbeddedPostgres().start()
+    try:
+        server = TemplateDatabases.start(cluster.dsn, label=label)
+    except BaseException:
+        cluster.stop()
+        raise
+    try:
+        yield server
+    finally:
+        server.close()
+        cluster.stop()

@@ -26,7 +26,6 @@ import psycopg
 import pytest
 
 import pgqueue
-from pgqueue.embedded import EmbeddedPostgres
 from pgqueue.sql import queries
 from pgqueue.testing.databases import TemplateDatabases
 from pgqueue.worker.fetcher import read_head
@@ -34,6 +33,7 @@ from tests.helpers import (
     begin_limited_claim,
     limited_claim_params,
     limited_walk_params,
+    own_cluster,
     register_worker,
 )
 
@@ -48,17 +48,8 @@ RUNNING_INDEXES = ("pgqueue_jobs_running_idx", "pgqueue_jobs_running_limited_idx
 @pytest.fixture(scope="module")
 def quiet_server() -> Iterator[TemplateDatabases]:
     """A cluster for this module alone (see the module's docstring)."""
-    cluster = EmbeddedPostgres().start()
-    try:
-        server = TemplateDatabases.start(cluster.dsn, label="claim-reads")
-    except BaseException:
-        cluster.stop()
-        raise
-    try:
+    with own_cluster("claim-reads") as server:
         yield server
-    finally:
-        server.close()
-        cluster.stop()
 
 
 @pytest.fixture
