@@ -827,14 +827,14 @@ class App:
                     conn = connections.sync_connection(connection)
                     written += producer.copy_rows(conn, self.q, rows)
                 else:
-                    copy = functools.partial(producer.copy_rows, q=self.q, chunks=rows)
+                    copy = functools.partial(producer.copy_rows, q=self.q, chunks=rows, own=True)
                     written += target._sync_pool().run(copy)
             return written
         if connection is not None:
             return producer.copy_rows(connections.sync_connection(connection), self.q, chunks)
         # Not replayable: the chunks are checked as the COPY consumes them.
         return self._sync_pool().run(
-            lambda conn: producer.copy_rows(conn, self.q, chunks), replayable=False
+            lambda conn: producer.copy_rows(conn, self.q, chunks, own=True), replayable=False
         )
 
     @_published_async("enqueue_many")
@@ -856,7 +856,9 @@ class App:
                     written += await producer.copy_rows_async(conn, self.q, rows)
                 else:
                     pool = await target._async_pool()
-                    copy = functools.partial(producer.copy_rows_async, q=self.q, chunks=rows)
+                    copy = functools.partial(
+                        producer.copy_rows_async, q=self.q, chunks=rows, own=True
+                    )
                     written += await pool.run(copy)
             return written
         if connection is not None:
@@ -864,7 +866,7 @@ class App:
             return await producer.copy_rows_async(conn, self.q, chunks)
         pool = await self._async_pool()
         return await pool.run(
-            lambda conn: producer.copy_rows_async(conn, self.q, chunks), replayable=False
+            lambda conn: producer.copy_rows_async(conn, self.q, chunks, own=True), replayable=False
         )
 
     # --- inspecting and steering jobs -----------------------------------------------------

@@ -27,6 +27,14 @@ KEEPALIVES: dict[str, int] = {
     "tcp_user_timeout": 15000,
     "connect_timeout": 10,
 }
+#: The same bounds on the server's side, for a transaction of pgqueue's that the server waits
+#: in for its client mid-statement (a bulk enqueue's COPY): database_now_bounded's parameters.
+SERVER_KEEPALIVES: dict[str, str] = {
+    "idle": str(KEEPALIVES["keepalives_idle"]),
+    "interval": str(KEEPALIVES["keepalives_interval"]),
+    "count": str(KEEPALIVES["keepalives_count"]),
+    "user_timeout": str(KEEPALIVES["tcp_user_timeout"]),
+}
 
 
 def resolve_dsn(dsn: str | None = None) -> str:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 
+from . import db
 from .errors import InvalidJobError
 from .jobs import EARLIEST_RUN_AT, LATEST_RUN_AT, MAX_DELAY_SECONDS, Enqueued
 from .sql import Queries
@@ -734,16 +735,31 @@ async def _mixed_async(
     return count
 
 
-def copy_rows(conn: psycopg.Connection[Any], q: Queries, chunks: Iterable[Sequence[JobRow]]) -> int:
+def _batch_clock(row: tuple[Any, ...] | None) -> BatchClock:
+    assert row is not None
+    return BatchClock(row[0], frozenset(row[1]))
+
+
+def copy_rows(
+    conn: psycopg.Connection[Any],
+    q: Queries,
+    chunks: Iterable[Sequence[JobRow]],
+    *,
+    own: bool = False,
+) -> int:
     """The jobs written as new (duplicates of unique jobs are not counted). Chunks before the
     first unique job: one COPY. From there on: one COPY in a savepoint, kept if every key was
-    new; on a key some job already has, those chunks are written again with ON CONFLICT."""
+    new; on a key some job already has, those chunks are written again with ON CONFLICT.
+    ``own``: the transaction is pgqueue's, so it bounds the server's wait for this client
+    (database_now_bounded); a caller's transaction is left as the caller set it."""
     count = 0
     with conn.cursor() as cur:
-        now_row = cur.execute(q.database_now).fetchone()
-        assert now_row is not None
-        clock = BatchClock(now_row[0], frozenset(now_row[1]))
+        if not own:
+            clock = _batch_clock(cur.execute(q.database_now).fetchone())
         with conn.transaction():
+            if own:
+                cur.execute(q.database_now_bounded, db.SERVER_KEEPALIVES)
+                clock = _batch_clock(cur.fetchone())
             it = iter(chunks)
             rows = next(it, None)
             if rows is not None and not _has_unique(rows):
@@ -773,15 +789,21 @@ def copy_rows(conn: psycopg.Connection[Any], q: Queries, chunks: Iterable[Sequen
 
 
 async def copy_rows_async(
-    conn: psycopg.AsyncConnection[Any], q: Queries, chunks: Iterable[Sequence[JobRow]]
+    conn: psycopg.AsyncConnection[Any],
+    q: Queries,
+    chunks: Iterable[Sequence[JobRow]],
+    *,
+    own: bool = False,
 ) -> int:
     count = 0
     async with conn.cursor() as cur:
-        await cur.execute(q.database_now)
-        now_row = await cur.fetchone()
-        assert now_row is not None
-        clock = BatchClock(now_row[0], frozenset(now_row[1]))
+        if not own:
+            await cur.execute(q.database_now)
+            clock = _batch_clock(await cur.fetchone())
         async with conn.transaction():
+            if own:
+                await cur.execute(q.database_now_bounded, db.SERVER_KEEPALIVES)
+                clock = _batch_clock(await cur.fetchone())
             it = iter(chunks)
             rows = next(it, None)
             if rows is not None and not _has_unique(rows):

@@ -229,6 +229,23 @@ FROM STDIN
 -- tasks limited in the database, whose jobs a bulk enqueue gives a limit group ('').
 SELECT now(), ARRAY(SELECT name FROM {schema}.pgqueue_tasks)
 
+-- name: database_now_bounded
+-- database_now, first in a bulk enqueue's own transaction, bounding the server's wait for this
+-- client until the transaction ends. Mid-COPY the server waits for the next chunk with no
+-- timeout (idle_in_transaction_session_timeout does not run there), so a producer cut off from
+-- the network would hold its jobs' unique keys, and every other enqueue of those keys would
+-- wait, until TCP's default keepalives gave up (about two hours). Here the server probes the
+-- client as pgqueue's side probes the server (db.KEEPALIVES): a vanished client is dropped
+-- within about 15 s and its transaction rolls back. set_config(..., true) reverts at the
+-- transaction's end, so nothing stays on the session (behind a transaction-pooling PgBouncer
+-- they are set on PgBouncer's link, which they leave as they found it); on a Unix socket
+-- PostgreSQL ignores them.
+SELECT now(), ARRAY(SELECT name FROM {schema}.pgqueue_tasks),
+       set_config('tcp_keepalives_idle', %(idle)s, true),
+       set_config('tcp_keepalives_interval', %(interval)s, true),
+       set_config('tcp_keepalives_count', %(count)s, true),
+       set_config('tcp_user_timeout', %(user_timeout)s, true)
+
 -- name: announce_waiting
 -- A worker waiting for work says so, on its LISTEN connection: producers notify while any worker
 -- holds this lock (migration 0004 explains the pair of locks).

@@ -204,6 +204,7 @@ class Queries:
     release_unique_keys: bytes
     copy_jobs: bytes
     database_now: bytes
+    database_now_bounded: bytes
     announce_waiting: bytes
     withdraw_waiting: bytes
     enqueuers_settled: bytes

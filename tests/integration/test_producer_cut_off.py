@@ -1,0 +1,196 @@
+"""A producer cut off from the network in the middle of a bulk enqueue's COPY must not hold its
+jobs' unique keys for hours. The server waits for a COPY's next chunk with no timeout, and an
+enqueue of a key that the COPY wrote waits for the COPY's transaction; with the server's default
+keepalives the server noticed the vanished client after about two hours. The bulk enqueue's own
+transaction now asks the server to probe its client as pgqueue probes the server
+(``database_now_bounded``), so the server drops it within about 15 s and the keys are free.
+
+A userspace proxy cannot show this: its kernel answers the server's keepalive probes for the
+vanished client. The test drops the connection's packets with iptables, which needs root and
+CAP_NET_ADMIN (skipped without them)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import pgqueue
+from tests.helpers import wait_until
+
+IPTABLES = shutil.which("iptables")
+KEY = "cut-off-mid-copy"
+#: The server's probes (5 s idle, then 5 probes 2 s apart, or 15 s unacknowledged) end the
+#: transaction about 15 s after the cut; the default keepalives would take two hours.
+BOUND = 40.0
+
+
+def _iptables(*args: str) -> bool:
+    assert IPTABLES is not None
+    done = subprocess.run([IPTABLES, "-w", *args], capture_output=True, timeout=30, check=False)
+    return done.returncode == 0
+
+
+def _rule(action: str, flag: str, port: int) -> bool:
+    return _iptables(action, "INPUT", "-p", "tcp", flag, str(port), "-j", "DROP")
+
+
+class Network:
+    """Drops every TCP packet to or from one local port (both directions of one connection,
+    silently, as a network that went away does) until healed."""
+
+    def __init__(self) -> None:
+        self.dropped: list[tuple[str, int]] = []
+
+    def drop(self, port: int) -> None:
+        for flag in ("--sport", "--dport"):
+            assert _rule("-I", flag, port)
+            self.dropped.append((flag, port))
+
+    def heal(self) -> None:
+        while self.dropped:
+            flag, port = self.dropped.pop()
+            _rule("-D", flag, port)
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    if IPTABLES is None or os.geteuid() != 0:
+        pytest.skip("needs iptables and root to drop one connection's packets")
+    if not (_rule("-I", "--dport", 9) and _rule("-D", "--dport", 9)):
+        pytest.skip("iptables cannot change this machine's rules (CAP_NET_ADMIN)")
+    network = Network()
+    try:
+        yield network
+    finally:
+        network.heal()
+
+
+def _key_held(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an uncommitted insert holds KEY: an insert of it waits (and gives up at once)."""
+    try:
+        with conn.transaction(force_rollback=True):
+            conn.execute("SET LOCAL lock_timeout = '200ms'")
+            conn.execute(
+                "INSERT INTO pgqueue_jobs (queue, task, args, unique_key)"
+                " VALUES ('default', 'probe', '{}', %s)"
+                " ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL DO NOTHING",
+                [f"bulk:{KEY}"],  # as stored: the task's name, then the key
+            )
+    except psycopg.errors.LockNotAvailable:
+        return True
+    return False
+
+
+def _copy_client_port(conn: psycopg.Connection[Any]) -> int | None:
+    row = conn.execute(
+        "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND query LIKE 'COPY %%'"
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
+class Vanished(Exception):
+    """The producer's host, gone: its bulk enqueue never goes on."""
+
+
+@pytest.mark.slow
+def test_a_producer_cut_off_mid_copy_frees_its_unique_keys_within_seconds(
+    app: pgqueue.App,
+    dsn: str,
+    conn: psycopg.Connection[Any],
+    network: Network,
+) -> None:
+    stalled, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def jobs() -> Iterator[dict[str, Any]]:
+        # The unique job leads the first chunk of 500, which goes into the COPY before the
+        # producer asks for the second; it stops there, as a producer whose host vanished.
+        yield {"task": "bulk", "args": {"n": 0}, "unique_key": KEY}
+        for n in range(1, 1_000):
+            if n == 600:
+                stalled.set()
+                release.wait(120)
+                raise Vanished
+            yield {"task": "bulk", "args": {"n": n, "pad": "x" * 100}}
+
+    def produce() -> None:
+        try:
+            app.enqueue_many(jobs(), allow_unknown=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    other = pgqueue.App(dsn)
+    waiter: threading.Thread | None = None
+    try:
+        assert stalled.wait(30)
+        wait_until(lambda: _key_held(conn), timeout=20)
+        port = _copy_client_port(conn)
+        if port is None or port < 0:
+            pytest.skip("the test server is reached over a Unix socket: no TCP to cut")
+        network.drop(port)
+        cut = time.monotonic()
+
+        answers: list[pgqueue.Enqueued | BaseException] = []
+
+        def wait() -> None:
+            try:
+                answers.append(other.enqueue("bulk", {"n": 0}, unique_key=KEY, allow_unknown=True))
+            except BaseException as exc:
+                answers.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(BOUND)
+        assert answers, f"the key was still held {BOUND:.0f} s after the producer vanished"
+        took = time.monotonic() - cut
+        # The producer's transaction rolled back: the waiting enqueue wrote the key's job.
+        assert isinstance(answers[0], pgqueue.Enqueued), answers[0]
+        assert not answers[0].duplicate
+        count = conn.execute("SELECT count(*) FROM pgqueue_jobs WHERE task = 'bulk'").fetchone()
+        assert count == (1,)
+        assert took > 4, took  # ended by the server's probes, not by anything sooner
+    finally:
+        # Whatever happened, let the producer's thread end; the network first, so that it does
+        # not wait for its own side's 15 s timeout.
+        network.heal()
+        release.set()
+        producer.join(60)
+        if waiter is not None:
+            waiter.join(60)
+        other.close()
+    assert len(errors) == 1 and not producer.is_alive()
+
+
+def _keepalives_idle(conn: psycopg.Connection[Any]) -> Any:
+    row = conn.execute("SHOW tcp_keepalives_idle").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def test_a_bulk_enqueue_leaves_no_setting_behind(dsn: str) -> None:
+    """The bound lasts the bulk enqueue's own transaction: its pooled connection is as it was
+    afterwards, and a caller's transaction (``connection=``) is never given it."""
+    with psycopg.connect(dsn) as fresh:
+        default = _keepalives_idle(fresh)
+    assert default != "5"
+    with pgqueue.App(dsn, pool_size=1) as app:
+        assert app.enqueue_many([("bulk", {"n": n}) for n in range(600)], allow_unknown=True) == 600
+        # The pool's one connection, the one the COPY ran on.
+        assert app._sync_pool().run(_keepalives_idle) == default
+        with psycopg.connect(dsn) as caller, caller.transaction():
+            written = app.enqueue_many(
+                [("bulk", {"n": n}) for n in range(600)], connection=caller, allow_unknown=True
+            )
+            assert written == 600
+            assert _keepalives_idle(caller) == default
