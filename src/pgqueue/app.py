@@ -971,14 +971,16 @@ class App:
         failure = workflows.check_after_failure(after_failure)
         target = self._workflow_cluster(rows, "a chain", connection is not None)
 
-        def write(conn: psycopg.Connection[Any]) -> list[Enqueued]:
+        def write(conn: psycopg.Connection[Any], own: bool = False) -> list[Enqueued]:
             with conn.transaction():
+                if own:
+                    producer.bound_client_waits(conn, self.q)
                 ids = workflows.chain(conn, self.q, rows, failure)
             return [routing.placed(job, row.queue) for job, row in zip(ids, rows, strict=True)]
 
         if connection is not None:
             return write(connections.sync_connection(connection))
-        return target._sync_pool().run(write)
+        return target._sync_pool().run(lambda conn: write(conn, own=True))
 
     @_published("group")
     def group(
@@ -996,9 +998,9 @@ class App:
         every = rows if callback is None else [*rows, callback]
         target = self._workflow_cluster(every, "a group", connection is not None)
 
-        def write(conn: psycopg.Connection[Any]) -> workflows.Group:
+        def write(conn: psycopg.Connection[Any], own: bool = False) -> workflows.Group:
             with conn.transaction():
-                done = workflows.group(conn, self.q, rows, callback, failure)
+                done = workflows.group(conn, self.q, rows, callback, failure, own=own)
             # Members come back in order (workflows.group), so each takes its own queue.
             members = [routing.placed(j, r.queue) for j, r in zip(done.members, rows, strict=True)]
             last = done.callback
@@ -1009,7 +1011,7 @@ class App:
 
         if connection is not None:
             return write(connections.sync_connection(connection))
-        return target._sync_pool().run(write)
+        return target._sync_pool().run(lambda conn: write(conn, own=True))
 
     def _workflow_cluster(self, rows: list[producer.JobRow], what: str, on_connection: bool) -> App:
         """The one cluster a workflow's jobs are on: one cluster's trigger releases children."""

@@ -740,6 +740,15 @@ def _batch_clock(row: tuple[Any, ...] | None) -> BatchClock:
     return BatchClock(row[0], frozenset(row[1]))
 
 
+def bound_client_waits(conn: psycopg.Connection[Any], q: Queries) -> tuple[Any, ...]:
+    """First in a transaction of pgqueue's own that waits for the client between statements:
+    the server drops a vanished client within seconds (database_now_bounded). Its row: the
+    database clock and the tasks limited in the database, as database_now's."""
+    row = conn.execute(q.database_now_bounded, db.SERVER_KEEPALIVES).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
 def copy_rows(
     conn: psycopg.Connection[Any],
     q: Queries,
@@ -758,8 +767,7 @@ def copy_rows(
             clock = _batch_clock(cur.execute(q.database_now).fetchone())
         with conn.transaction():
             if own:
-                cur.execute(q.database_now_bounded, db.SERVER_KEEPALIVES)
-                clock = _batch_clock(cur.fetchone())
+                clock = _batch_clock(bound_client_waits(conn, q))
             it = iter(chunks)
             rows = next(it, None)
             if rows is not None and not _has_unique(rows):

@@ -109,11 +109,14 @@ def chain(
 
 def group(
     conn: psycopg.Connection[Any], q: Queries, members: Sequence[producer.JobRow],
-    callback: producer.JobRow | None, after_failure: str,
+    callback: producer.JobRow | None, after_failure: str, *, own: bool = False,
 ) -> Group:  # fmt: skip
-    """The members in chunks (ids back, in order), then the callback after all of them."""
+    """The members in chunks (ids back, in order), then the callback after all of them.
+    ``own``: the transaction is pgqueue's (producer.bound_client_waits)."""
     ids: list[Enqueued] = []
-    db_now = conn.execute(q.database_now).fetchone()
+    db_now = (
+        producer.bound_client_waits(conn, q) if own else conn.execute(q.database_now).fetchone()
+    )
     assert db_now is not None
     for start in range(0, len(members), GROUP_CHUNK):
         chunk = members[start : start + GROUP_CHUNK]

@@ -1,8 +1,9 @@
-"""A producer cut off from the network in the middle of a bulk enqueue's COPY must not hold its
-jobs' unique keys for hours. The server waits for a COPY's next chunk with no timeout, and an
-enqueue of a key that the COPY wrote waits for the COPY's transaction; with the server's default
-keepalives the server noticed the vanished client after about two hours. The bulk enqueue's own
-transaction now asks the server to probe its client as pgqueue probes the server
+"""A producer cut off from the network in the middle of a bulk enqueue's COPY, or of a chain's
+or a group's transaction, must not hold its jobs' unique keys and its session for hours. The
+server waits for a COPY's next chunk, and between a transaction's statements, with no timeout,
+and an enqueue of a key that the transaction wrote waits for it; with the server's default
+keepalives the server noticed the vanished client after about two hours. pgqueue's own
+transactions now ask the server to probe their client as pgqueue probes the server
 (``database_now_bounded``), so the server drops it within about 15 s and the keys are free.
 
 A userspace proxy cannot show this: its kernel answers the server's keepalive probes for the
@@ -197,3 +198,91 @@ def test_a_bulk_enqueue_leaves_no_setting_behind(dsn: str) -> None:
             )
             assert written == 600
             assert _keepalives_idle(caller) == default
+
+
+def _idle_in_transaction(conn: psycopg.Connection[Any]) -> tuple[int, int] | None:
+    row = conn.execute(
+        "SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND state = 'idle in transaction'"
+    ).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+def _session_gone(conn: psycopg.Connection[Any], pid: int) -> bool:
+    row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+    return row == (0,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workflow", ["chain", "group"])
+def test_a_producer_cut_off_inside_a_workflow_is_dropped_within_seconds(
+    app: pgqueue.App,
+    conn: psycopg.Connection[Any],
+    network: Network,
+    monkeypatch: pytest.MonkeyPatch,
+    workflow: str,
+) -> None:
+    """A chain or a group is one transaction of several statements: between two of them the
+    server waits for the client, idle in it, with no timeout unless the server sets one. A
+    producer that vanishes there held its uncommitted jobs (their unique keys) and the NOTIFY
+    trigger's shared lock, which makes waiting workers poll, until TCP gave up."""
+
+    @app.task
+    def step(n: int) -> int:
+        return n
+
+    @app.task
+    def total(results: list[int]) -> int:
+        return sum(results)
+
+    stalled, release = threading.Event(), threading.Event()
+    stalled_at: list[float] = []
+    errors: list[BaseException] = []
+    insert = pgqueue.producer.insert
+    calls = 0
+
+    def vanishing_insert(*args: Any, **kwargs: Any) -> Any:
+        # A chain's second step, a group's callback: a statement of the workflow ran before.
+        nonlocal calls
+        calls += 1
+        if calls == (2 if workflow == "chain" else 1):
+            stalled_at.append(time.monotonic())
+            stalled.set()
+            release.wait(120)
+            raise Vanished
+        return insert(*args, **kwargs)
+
+    monkeypatch.setattr(pgqueue.producer, "insert", vanishing_insert)
+
+    def produce() -> None:
+        try:
+            if workflow == "chain":
+                app.chain(step.s(n=1), step.s(n=2))
+            else:
+                app.group([step.s(n=n) for n in range(3)], then=total.s())
+        except BaseException as exc:
+            errors.append(exc)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    try:
+        assert stalled.wait(30)
+        session = wait_until(lambda: _idle_in_transaction(conn), timeout=20)
+        assert session is not None
+        pid, port = session
+        if port < 0:
+            pytest.skip("the test server is reached over a Unix socket: no TCP to cut")
+        network.drop(port)
+        wait_until(
+            lambda: _session_gone(conn, pid),
+            timeout=BOUND,
+            what=f"the vanished producer's session ended within {BOUND:.0f} s",
+        )
+        assert time.monotonic() - stalled_at[0] > 10  # by the server's probes
+        count = conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone()
+        assert count == (0,)
+    finally:
+        network.heal()
+        release.set()
+        producer.join(60)
+    assert len(errors) == 1 and not producer.is_alive()
