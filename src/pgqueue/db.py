@@ -28,7 +28,7 @@ KEEPALIVES: dict[str, int] = {
     "connect_timeout": 10,
 }
 #: The same bounds on the server's side, for a transaction of pgqueue's that the server waits
-#: in for its client mid-statement (a bulk enqueue's COPY): database_now_bounded's parameters.
+#: in for its client (a bulk enqueue's COPY, a chain, a group): database_now_bounded's parameters.
 SERVER_KEEPALIVES: dict[str, str] = {
     "idle": str(KEEPALIVES["keepalives_idle"]),
     "interval": str(KEEPALIVES["keepalives_interval"]),

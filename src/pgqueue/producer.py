@@ -741,9 +741,10 @@ def _batch_clock(row: tuple[Any, ...] | None) -> BatchClock:
 
 
 def bound_client_waits(conn: psycopg.Connection[Any], q: Queries) -> tuple[Any, ...]:
-    """First in a transaction of pgqueue's own that waits for the client between statements:
-    the server drops a vanished client within seconds (database_now_bounded). Its row: the
-    database clock and the tasks limited in the database, as database_now's."""
+    """First in a transaction of pgqueue's own that the server waits in for its client
+    (mid-COPY, between statements): the server drops a vanished client within seconds
+    (database_now_bounded). Its row: the database clock and the tasks limited in the database,
+    as database_now's."""
     row = conn.execute(q.database_now_bounded, db.SERVER_KEEPALIVES).fetchone()
     assert row is not None
     return tuple(row)

@@ -234,11 +234,11 @@ SELECT now(), ARRAY(SELECT name FROM {schema}.pgqueue_tasks)
 -- enqueue, a chain, a group: producer.bound_client_waits), bounding the server's wait for this
 -- client until the transaction ends. Mid-COPY the server waits for the next chunk with no
 -- timeout (idle_in_transaction_session_timeout does not run there, and is off by default
--- between statements), so a producer cut off from the network would hold its jobs' unique keys,
--- and every other enqueue of those keys would wait, and the NOTIFY trigger's shared lock, until
--- TCP's default keepalives gave up (about two hours). Here the server probes the
--- client as pgqueue's side probes the server (db.KEEPALIVES): a vanished client is dropped
--- within about 15 s and its transaction rolls back. set_config(..., true) reverts at the
+-- between statements), so a producer cut off from the network held its jobs' unique keys
+-- (another enqueue of those keys waited) and the NOTIFY trigger's shared lock until TCP's
+-- default keepalives gave up, about two hours. Here the server probes the client as pgqueue's
+-- side probes the server (db.KEEPALIVES): a vanished client is dropped within about 15 s and
+-- its transaction rolls back. set_config(..., true) reverts at the
 -- transaction's end, so nothing stays on the session (behind a transaction-pooling PgBouncer
 -- they are set on PgBouncer's link, which they leave as they found it); on a Unix socket
 -- PostgreSQL ignores them.
