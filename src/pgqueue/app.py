@@ -968,6 +968,8 @@ class App:
         if not steps:
             raise InvalidJobError("chain() needs at least one step")
         rows = [step.row(self, callback=i > 0) for i, step in enumerate(steps)]
+        for i, row in enumerate(rows[1:], start=2):
+            workflows.refuse_unique(row, f"step {i} of the chain")
         failure = workflows.check_after_failure(after_failure)
         target = self._workflow_cluster(rows, "a chain", connection is not None)
 
@@ -994,6 +996,10 @@ class App:
         if not rows:
             raise InvalidJobError("group() needs at least one member")
         callback = None if then is None else then.row(self, callback=True)
+        for i, row in enumerate(rows, start=1):
+            workflows.refuse_unique(row, f"member {i} of the group", member=True)
+        if callback is not None:
+            workflows.refuse_unique(callback, "the group's callback")
         failure = workflows.check_after_failure(after_failure)
         every = rows if callback is None else [*rows, callback]
         target = self._workflow_cluster(every, "a group", connection is not None)

@@ -65,6 +65,23 @@ def with_parents(
     return row._replace(after=parents, after_failure=check_after_failure(after_failure))
 
 
+def refuse_unique(row: producer.JobRow, which: str, member: bool = False) -> None:
+    """A workflow's job that runs after others (a chain's later step, a group's callback) cannot
+    be unique, as with ``after=``; nor can a group's member, whose bulk insert takes no key.
+    Refused, rather than written without the key its task declares."""
+    if row.unique_key is None:
+        return
+    if member:
+        raise InvalidJobError(
+            f"{which} (task {row.task!r}) is a unique job, and a group's members cannot be: "
+            "enqueue it with enqueue() and give its id to the callback's after="
+        )
+    raise InvalidJobError(
+        f"{which} (task {row.task!r}) is a unique job, and a unique job cannot also run after "
+        "other jobs"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Signature:
     """A task with its arguments and options, not enqueued yet: ``task.s(**kwargs)``."""

@@ -248,3 +248,39 @@ async def test_cancelling_a_blocked_job_cancels_it_and_its_children_and_it_never
         await asyncio.sleep(0.3)
     assert ran == ["a"]
     assert status(conn, second) == "cancelled" and status(conn, third) == "cancelled"
+
+
+def test_a_workflow_refuses_unique_jobs_it_cannot_keep_unique(app: pgqueue.App, conn: Conn) -> None:
+    """A chain's later steps and a group's callback run after other jobs, which a unique job
+    cannot (as with after=), and a group's members are written in bulk without keys: each was
+    written before without the key its task declares, so two equal jobs could both be queued."""
+
+    @app.task(unique=True)
+    def sync_user(user: int) -> None: ...
+
+    @app.task
+    def plain(n: int) -> None: ...
+
+    @app.task
+    def total(results: list[Any]) -> None: ...
+
+    @app.task(unique=True)
+    def report(results: list[Any]) -> None: ...
+
+    with pytest.raises(pgqueue.InvalidJobError, match=r"step 2 of the chain .* unique"):
+        app.chain(plain.s(n=1), sync_user.s(user=1))
+    with pytest.raises(pgqueue.InvalidJobError, match=r"member 2 of the group .* unique"):
+        app.group([plain.s(n=1), sync_user.s(user=1), sync_user.s(user=1)], then=total.s())
+    with pytest.raises(pgqueue.InvalidJobError, match=r"callback .* unique"):
+        app.group([plain.s(n=1)], then=report.s())
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+
+    # A chain may start with a unique job: its key holds, and a second chain's first step is
+    # that job, which its next step then follows.
+    first = app.chain(sync_user.s(user=7), plain.s(n=1))
+    second = app.chain(sync_user.s(user=7), plain.s(n=2))
+    assert not first[0].duplicate and second[0].duplicate
+    assert int(second[0]) == int(first[0])
+    assert conn.execute(
+        "SELECT count(*) FROM pgqueue_jobs WHERE task = %s", [sync_user.name]
+    ).fetchone() == (1,)
