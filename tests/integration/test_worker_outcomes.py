@@ -179,10 +179,16 @@ async def test_sync_timeout_abandons_the_thread_and_frees_the_lease(
     def stuck() -> None:
         time.sleep(1.5)
 
+    def ended_attempt() -> tuple[Any, ...] | None:
+        # One read: a retrying job may be claimed again within its jittered delay, so a second
+        # read could find the next attempt's lease rather than the freed one.
+        row = job_row(conn, job_id)
+        return row if row[0] in ("retrying", "dead") else None
+
     job_id = stuck.enqueue()
     async with running_worker(app, **FAST):
-        await wait_until_async(status_is(conn, job_id, "retrying", "dead"), timeout=15)
-        _, _attempts, error, _, _token, worker, _ = job_row(conn, job_id)
+        row = await wait_until_async(ended_attempt, timeout=15)
+        _, _attempts, error, _, _token, worker, _ = row
         assert worker is None
         assert "TaskTimeoutError" in error
 
