@@ -17,8 +17,8 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import psycopg
 import pytest
@@ -99,7 +99,42 @@ def _copy_client_port(conn: psycopg.Connection[Any]) -> int | None:
 
 
 class Vanished(Exception):
-    """The producer's host, gone: its bulk enqueue never goes on."""
+    """The producer's host, gone: what it was writing never goes on."""
+
+
+class VanishingProducer:
+    """``work`` in a thread of its own (from ``start()``) that calls ``vanish()`` at the point
+    under test: there it stops, as a producer whose host went away, until ``end()`` lets it
+    fail."""
+
+    def __init__(self, work: Callable[[], object]) -> None:
+        self.stalled, self.release = threading.Event(), threading.Event()
+        self.stalled_at = 0.0
+        self.errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                self.errors.append(exc)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def vanish(self) -> NoReturn:
+        self.stalled_at = time.monotonic()
+        self.stalled.set()
+        self.release.wait(120)
+        raise Vanished
+
+    def end(self, network: Network) -> None:
+        """The network first, so that the producer does not wait for its own 15 s timeout."""
+        network.heal()
+        self.release.set()
+        self.thread.join(60)
+        assert len(self.errors) == 1 and not self.thread.is_alive()
 
 
 @pytest.mark.slow
@@ -109,34 +144,21 @@ def test_a_producer_cut_off_mid_copy_frees_its_unique_keys_within_seconds(
     conn: psycopg.Connection[Any],
     network: Network,
 ) -> None:
-    stalled, release = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-    stalled_at: list[float] = []
-
     def jobs() -> Iterator[dict[str, Any]]:
         # The unique job leads the first chunk of 500, which goes into the COPY before the
-        # producer asks for the second; it stops there, as a producer whose host vanished.
+        # producer asks for the second; it stops there.
         yield {"task": "bulk", "args": {"n": 0}, "unique_key": KEY}
         for n in range(1, 1_000):
             if n == 600:
-                stalled_at.append(time.monotonic())
-                stalled.set()
-                release.wait(120)
-                raise Vanished
+                producer.vanish()
             yield {"task": "bulk", "args": {"n": n, "pad": "x" * 100}}
 
-    def produce() -> None:
-        try:
-            app.enqueue_many(jobs(), allow_unknown=True)
-        except BaseException as exc:
-            errors.append(exc)
-
-    producer = threading.Thread(target=produce, daemon=True)
+    producer = VanishingProducer(lambda: app.enqueue_many(jobs(), allow_unknown=True))
     producer.start()
     other = pgqueue.App(dsn)
     waiter: threading.Thread | None = None
     try:
-        assert stalled.wait(30)
+        assert producer.stalled.wait(30)
         wait_until(lambda: _key_held(conn), timeout=20)
         port = _copy_client_port(conn)
         if port is None or port < 0:
@@ -163,17 +185,12 @@ def test_a_producer_cut_off_mid_copy_frees_its_unique_keys_within_seconds(
         assert count == (1,)
         # Ended by the server's probes (15 s after the client's last packet, which came at
         # most a moment before it stalled), not by anything sooner.
-        assert answered - stalled_at[0] > 10, answered - stalled_at[0]
+        assert answered - producer.stalled_at > 10, answered - producer.stalled_at
     finally:
-        # Whatever happened, let the producer's thread end; the network first, so that it does
-        # not wait for its own side's 15 s timeout.
-        network.heal()
-        release.set()
-        producer.join(60)
+        producer.end(network)
         if waiter is not None:
             waiter.join(60)
         other.close()
-    assert len(errors) == 1 and not producer.is_alive()
 
 
 def _keepalives_idle(conn: psycopg.Connection[Any]) -> Any:
@@ -224,8 +241,8 @@ def test_a_producer_cut_off_inside_a_workflow_is_dropped_within_seconds(
 ) -> None:
     """A chain or a group is one transaction of several statements: between two of them the
     server waits for the client, idle in it, with no timeout unless the server sets one. A
-    producer that vanishes there held its uncommitted jobs (their unique keys) and the NOTIFY
-    trigger's shared lock, which makes waiting workers poll, until TCP gave up."""
+    producer that vanishes there held a chain's first key, the NOTIFY trigger's shared lock
+    (waiting workers then poll) and vacuum's horizon until TCP gave up."""
 
     @app.task
     def step(n: int) -> int:
@@ -235,9 +252,6 @@ def test_a_producer_cut_off_inside_a_workflow_is_dropped_within_seconds(
     def total(results: list[int]) -> int:
         return sum(results)
 
-    stalled, release = threading.Event(), threading.Event()
-    stalled_at: list[float] = []
-    errors: list[BaseException] = []
     insert = pgqueue.producer.insert
     calls = 0
 
@@ -246,27 +260,20 @@ def test_a_producer_cut_off_inside_a_workflow_is_dropped_within_seconds(
         nonlocal calls
         calls += 1
         if calls == (2 if workflow == "chain" else 1):
-            stalled_at.append(time.monotonic())
-            stalled.set()
-            release.wait(120)
-            raise Vanished
+            producer.vanish()
         return insert(*args, **kwargs)
 
     monkeypatch.setattr(pgqueue.producer, "insert", vanishing_insert)
 
-    def produce() -> None:
-        try:
-            if workflow == "chain":
-                app.chain(step.s(n=1), step.s(n=2))
-            else:
-                app.group([step.s(n=n) for n in range(3)], then=total.s())
-        except BaseException as exc:
-            errors.append(exc)
+    def work() -> object:
+        if workflow == "chain":
+            return app.chain(step.s(n=1), step.s(n=2))
+        return app.group([step.s(n=n) for n in range(3)], then=total.s())
 
-    producer = threading.Thread(target=produce, daemon=True)
+    producer = VanishingProducer(work)
     producer.start()
     try:
-        assert stalled.wait(30)
+        assert producer.stalled.wait(30)
         session = wait_until(lambda: _idle_in_transaction(conn), timeout=20)
         assert session is not None
         pid, port = session
@@ -278,11 +285,8 @@ def test_a_producer_cut_off_inside_a_workflow_is_dropped_within_seconds(
             timeout=BOUND,
             what=f"the vanished producer's session ended within {BOUND:.0f} s",
         )
-        assert time.monotonic() - stalled_at[0] > 10  # by the server's probes
+        assert time.monotonic() - producer.stalled_at > 10  # by the server's probes
         count = conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone()
         assert count == (0,)
     finally:
-        network.heal()
-        release.set()
-        producer.join(60)
-    assert len(errors) == 1 and not producer.is_alive()
+        producer.end(network)
