@@ -1266,7 +1266,12 @@ SELECT extract(epoch FROM least(
 
 -- name: complete_jobs
 -- The second column says whether anyone waits for results (App.wait: notify_finished), one
--- look per statement (an InitPlan).
+-- look per statement (an InitPlan), made once every row of the batch is written and locked:
+-- its count(*) reads all of `done` first. A waiter that announces itself after that look then
+-- finds the batch's rows locked until the acks commit (lock_awaited_job waits for them), so an
+-- ack that saw nobody waiting can never commit unseen behind a waiter's first look. Looked at
+-- in RETURNING instead, at the batch's first row, a later row could still be unlocked when a
+-- waiter arrived: it read the job still running and slept until its own next look.
 -- Batched acks, fenced per job: a row changes only while it still carries the lease token this
 -- worker got when it claimed it. Rows missing from RETURNING were lost (reaped, re-claimed or
 -- cancelled) and the stale result is dropped. The token stays on the finished row (only a new
@@ -1324,10 +1329,7 @@ FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(statuses)b::text[], %(delay
      AS a(id, token, status, delay, error, result, run_seconds)
 WHERE j.id = a.id AND j.lease_token = a.token AND j.status::text = 'running'
   AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true){ack_idle}) IS NOT NULL {lock_filter}
-RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
-                             THEN NOT pg_advisory_unlock(hashtext({channel}), 3)
-                             ELSE true END) AS waited,
-          j.status::text AS status, j.attempts, j.claimed_at, j.started_at, a.error
+RETURNING j.id, j.status::text AS status, j.attempts, j.claimed_at, j.started_at, a.error
 ), history AS (
     INSERT INTO {schema}.pgqueue_attempts
         (job_id, attempt, worker_id, claimed_at, started_at, finished_at, outcome, error)
@@ -1337,7 +1339,11 @@ RETURNING j.id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
     FROM done d
     WHERE d.status <> 'succeeded'
 ){woke}
-SELECT id, waited FROM done{woke_gate}
+SELECT id, (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
+                        THEN NOT pg_advisory_unlock(hashtext({channel}), 3)
+                        ELSE true END
+            FROM (SELECT count(*) FROM done) AS written) AS waited
+FROM done{woke_gate}
 
 -- name: hand_off_queue_slots
 -- Pipelined after complete_jobs, in the acks' transaction, when the batch finished jobs of a
@@ -1415,6 +1421,16 @@ WHERE NOT (SELECT CASE WHEN pg_try_advisory_lock(hashtext({channel}), 3)
 -- name: announce_result_wait
 -- A waiter for results says so on its LISTEN connection, for as long as it waits.
 SELECT pg_advisory_lock_shared(hashtext({channel}), 3)
+
+-- name: lock_awaited_job
+-- A waiter's first look, right after announce_result_wait: waits for any write holding the
+-- job's row (FOR SHARE conflicts with an ack's update), so an ack that looked for waiters
+-- before this one announced itself has committed before the waiter reads the job (see
+-- complete_jobs). No longer than %(lock_timeout)s: the waiter then reads the job anyway and
+-- looks again later, as it always does.
+SELECT FROM {schema}.pgqueue_jobs j
+WHERE j.id = %(id)s AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL
+FOR SHARE OF j
 
 -- name: applied_completions
 -- Only after an ack write went wrong: which of these acks are already in (the connection was

@@ -5,7 +5,10 @@ A waiter listens on the schema's done channel (``db.done_channel_for``) and hold
 (``notify_finished``) only while some waiter holds it, so nobody pays for results nobody waits
 for. The waiter looks at the job when it starts listening (so a job that finished before is
 answered at once), at every announcement naming it, and every ``LOOK_EVERY`` seconds besides:
-an announcement lost with a connection costs latency, never the answer.
+an announcement lost with a connection costs latency, never the answer. Its first look waits for
+any write holding the job's row (``lock_awaited_job``): an ack that looked for waiters just
+before this one announced itself sends nothing, and read before its commit the job would still
+seem to run until the next look.
 
 Waiting only reads, so a lost connection (a failover, a restart) is not the caller's problem
 while the app's ``reconnect_timeout`` lasts: the waiter connects again with backoff, listens
@@ -64,6 +67,20 @@ def _names(payload: str, job_id: int) -> bool:
     return str(job_id) in payload.split(",")
 
 
+def _left(deadline: float | None) -> float:
+    return LOOK_EVERY if deadline is None else deadline - time.monotonic()
+
+
+def _first_look(job_id: int, left: float) -> dict[str, Any]:
+    return {"id": job_id, "lock_timeout": f"{max(1, int(min(left, LOOK_EVERY) * 1000))}ms"}
+
+
+def _unsettled(exc: psycopg.Error) -> bool:
+    """The first look's wait for the row gave up (a long lock, or a role without UPDATE on the
+    jobs table): the waiter reads the job anyway and looks again later, as always."""
+    return isinstance(exc, (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege))
+
+
 def _timeout_error(job_id: int, timeout: float | None) -> WaitTimeoutError:
     return WaitTimeoutError(f"job {job_id} had not finished after {timeout:g} s (it goes on)")
 
@@ -114,11 +131,16 @@ def _wait(
         reconnect.connected()
         conn.execute(_listen(db.done_channel_for(schema)))
         conn.execute(q.announce_result_wait)
+        try:
+            conn.execute(q.lock_awaited_job, _first_look(job_id, _left(deadline)))
+        except psycopg.Error as exc:
+            if not _unsettled(exc):
+                raise
         while True:
             done, result = settle(job_id, conn.execute(q.get_job, {"id": job_id}).fetchone())
             if done:
                 return result
-            left = LOOK_EVERY if deadline is None else deadline - time.monotonic()
+            left = _left(deadline)
             if left <= 0:
                 raise _timeout_error(job_id, timeout)
             for notify in conn.notifies(timeout=min(left, LOOK_EVERY)):
@@ -148,12 +170,17 @@ async def _wait_async(
         reconnect.connected()
         await conn.execute(_listen(db.done_channel_for(schema)))
         await conn.execute(q.announce_result_wait)
+        try:
+            await conn.execute(q.lock_awaited_job, _first_look(job_id, _left(deadline)))
+        except psycopg.Error as exc:
+            if not _unsettled(exc):
+                raise
         while True:
             cur = await conn.execute(q.get_job, {"id": job_id})
             done, result = settle(job_id, await cur.fetchone())
             if done:
                 return result
-            left = LOOK_EVERY if deadline is None else deadline - time.monotonic()
+            left = _left(deadline)
             if left <= 0:
                 raise _timeout_error(job_id, timeout)
             async for notify in conn.notifies(timeout=min(left, LOOK_EVERY)):

@@ -262,6 +262,7 @@ class Queries:
     hand_off_queue_slots: bytes
     notify_finished: bytes
     announce_result_wait: bytes
+    lock_awaited_job: bytes
     applied_completions: bytes
     release_leases: bytes
     regroup_leases: bytes

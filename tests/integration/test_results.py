@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import conninfo, sql
 
 import pgqueue
 from pgqueue import db, results
-from tests.helpers import running_worker, wait_until_async
+from pgqueue.worker.executor import Outcome, ack_params
+from tests.helpers import running_worker, wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 NO_POLL = {"lease": 5.0, "heartbeat_interval": 1.0, "poll_interval": 60.0, "reaper_interval": 1.0}
@@ -173,3 +176,147 @@ async def test_a_waiter_whose_connection_is_lost_connects_again_and_gets_the_ans
         assert not waiter.done()
         gate.set()
         assert await asyncio.wait_for(waiter, 30) == "done"
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_waiter_arriving_while_the_ack_commits_is_answered_at_once(
+    app: pgqueue.App, conn: Conn, kind: str
+) -> None:
+    """An ack that looked for waiters just before this one announced itself, and commits just
+    after this one first looked at the job, sends no announcement: the waiter's first look
+    waits for that commit instead of finding the job still running and sleeping until its own
+    next look (regression: the CI saw a waiter sleep through its whole timeout)."""
+    # Test-only: the ack of this job waits, after its look for waiters, until the test lets go.
+    conn.execute(
+        "CREATE FUNCTION held_ack() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+        " PERFORM set_config('lock_timeout', '0', true);"
+        " PERFORM pg_advisory_xact_lock_shared(4242); RETURN NULL; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER held_ack AFTER UPDATE ON pgqueue_jobs FOR EACH ROW"
+        " WHEN (OLD.status = 'running' AND NEW.status = 'succeeded') EXECUTE FUNCTION held_ack()"
+    )
+    conn.execute("SELECT pg_advisory_lock(4242)")
+
+    @app.task
+    async def quick() -> str:
+        return "done"
+
+    job = quick.enqueue()
+    held = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted"
+    )
+    # The waiter's session (the only one without an application name besides ``conn``) has
+    # announced itself and has looked at the job: it is either waiting for a row lock or idle
+    # after reading the job.
+    waiter_looked = (
+        "SELECT a.wait_event_type = 'Lock' OR (a.state = 'idle' AND a.query LIKE '%%pgqueue_jobs%%')"
+        " FROM pg_stat_activity a WHERE a.datname = current_database() AND a.application_name = ''"
+        " AND a.pid <> pg_backend_pid() AND EXISTS (SELECT FROM pg_locks l WHERE l.pid = a.pid"
+        " AND l.locktype = 'advisory' AND l.objid = 3 AND l.objsubid = 2 AND l.granted)"
+    )
+    async with running_worker(app, **NO_POLL):
+        await wait_until_async(lambda: conn.execute(held).fetchone() == (1,), what="ack held")
+        if kind == "async":
+            waiter = asyncio.ensure_future(app.wait_async(job, timeout=60))
+        else:
+            waiter = asyncio.ensure_future(asyncio.to_thread(app.wait, job, 60))
+        await wait_until_async(
+            lambda: (conn.execute(waiter_looked).fetchone() or (False,))[0], what="waiter looked"
+        )
+        conn.execute("SELECT pg_advisory_unlock(4242)")
+        assert await asyncio.wait_for(waiter, 15) == "done"
+
+
+def test_an_ack_looks_for_waiters_only_once_its_whole_batch_is_locked(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """The ack's look for waiters comes after every row of its batch is written and locked: a
+    waiter that announces itself while the batch is still being written is seen (and then
+    announced to), and one that comes after the look finds the rows locked (the test above).
+    Here a waiter arrives between the batch's first and second row (regression: the look was
+    made at the first row and this waiter was not told)."""
+    first, second = (app.enqueue("quick", {"n": n}, allow_unknown=True) for n in range(2))
+    tokens = {first: uuid.uuid4(), second: uuid.uuid4()}
+    for job_id, token in tokens.items():
+        conn.execute(
+            "UPDATE pgqueue_jobs SET status = 'running', attempts = 1, claimed_at = now(),"
+            " lease_token = %s, lease_expires_at = now() + interval '1 minute' WHERE id = %s",
+            (token, job_id),
+        )
+    # Test-only: the ack stops before its second row until the test lets go.
+    conn.execute(
+        "CREATE FUNCTION second_row_held() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+        " IF current_setting('test.first_row_done', true) = 'yes' THEN"
+        "   PERFORM set_config('lock_timeout', '0', true);"
+        "   PERFORM pg_advisory_xact_lock_shared(4242);"
+        " ELSE PERFORM set_config('test.first_row_done', 'yes', true); END IF;"
+        " RETURN NEW; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER second_row_held BEFORE UPDATE ON pgqueue_jobs FOR EACH ROW"
+        " WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION second_row_held()"
+    )
+    conn.execute("SELECT pg_advisory_lock(4242)")
+    batch = [
+        Outcome(job_id, token, pgqueue.Status.SUCCEEDED, None, None, None, 0.0, "default", 0.0)
+        for job_id, token in tokens.items()
+    ]
+    written: list[Any] = []
+    with psycopg.connect(dsn, autocommit=True) as acker, psycopg.connect(dsn) as waiter:
+        ack = threading.Thread(
+            target=lambda: written.extend(
+                acker.execute(app.q.complete_jobs, ack_params(batch)).fetchall()
+            )
+        )
+        ack.start()
+        try:
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242"
+                        " AND NOT granted"
+                    ).fetchone()
+                    == (1,)
+                ),
+                what="the ack held before its second row",
+            )
+            waiter.execute(app.q.announce_result_wait)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(4242)")
+            ack.join(30)
+    assert sorted(written) == [(first, True), (second, True)]
+
+
+def test_a_waiters_first_look_gives_up_on_a_held_row_or_a_role_that_may_not_lock_it(
+    app: pgqueue.App, conn: Conn, dsn: str
+) -> None:
+    """The first look's wait for the job's row is bounded (here by the wait's own timeout) and
+    needs UPDATE on the jobs table; past the bound, or without the privilege, the waiter reads
+    the job all the same."""
+    job = app.enqueue("done_by_hand", {}, allow_unknown=True)
+    conn.execute(
+        "UPDATE pgqueue_jobs SET status = 'succeeded', result = '42', finished_at = now()"
+        " WHERE id = %s",
+        (job,),
+    )
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM pgqueue_jobs WHERE id = %s FOR UPDATE", (job,))
+        assert app.wait(job, timeout=0.5) == 42  # the row stays locked throughout
+    name = f"reader_{uuid.uuid4().hex[:10]}"
+    role = sql.Identifier(name)
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(role))
+    try:
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(role))
+        conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {}").format(role))
+        reader = pgqueue.App(conninfo.make_conninfo(dsn, user=name))
+        try:
+            assert reader.wait(job, timeout=30) == 42
+        finally:
+            reader.close()
+    finally:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (name,)
+        )
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        conn.execute(sql.SQL("DROP ROLE {}").format(role))
