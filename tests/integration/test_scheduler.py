@@ -14,7 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 import pgqueue
 from pgqueue.schedules_cli import schedules_command
 from pgqueue.worker.scheduler import Scheduler
-from tests.helpers import wait_until_async
+from tests.helpers import wait_until, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -52,6 +52,20 @@ def make_due(conn: Conn, name: str, ago: str) -> None:
     )
 
 
+@pytest.fixture
+def minute_ahead(conn: Conn) -> None:
+    """Tests that compare an every-minute (or every-five-minutes) schedule's next tick with
+    now() would fail if a minute turned between the write and the check. They start at least
+    8 s before the next turn, by the database clock, waiting for it when closer: far more than
+    such a test takes, even on a loaded machine."""
+
+    def clear() -> bool:
+        row = conn.execute("SELECT extract(second FROM now()) < 52").fetchone()
+        return row is not None and bool(row[0])
+
+    wait_until(clear, timeout=15, what="the next minute on the database clock")
+
+
 def jobs(conn: Conn) -> list[tuple[Any, ...]]:
     return conn.execute(
         "SELECT schedule_name, schedule_tick, task, queue, status::text FROM pgqueue_jobs "
@@ -62,6 +76,7 @@ def jobs(conn: Conn) -> list[tuple[Any, ...]]:
 # --- sync ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_sync_inserts_declared_schedules_with_a_future_tick(
     app: pgqueue.App, conn: Conn
 ) -> None:
@@ -74,6 +89,7 @@ async def test_sync_inserts_declared_schedules_with_a_future_tick(
     }
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_sync_keeps_next_run_when_cron_is_unchanged_and_recomputes_when_changed(
     dsn: str, conn: Conn
 ) -> None:
@@ -133,6 +149,7 @@ async def test_sync_never_touches_paused(app: pgqueue.App, conn: Conn) -> None:
     assert rows(conn)["a"][2] is True
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_redeclared_schedule_does_not_catch_up_the_time_it_was_retired(
     dsn: str, conn: Conn
 ) -> None:
@@ -150,6 +167,7 @@ async def test_redeclared_schedule_does_not_catch_up_the_time_it_was_retired(
 # --- firing -------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_due_schedule_fires_an_ordinary_tagged_job_and_advances(
     app: pgqueue.App, conn: Conn
 ) -> None:
@@ -235,6 +253,7 @@ async def test_unique_key_refuses_a_second_job_for_the_same_tick(
     assert len(jobs(conn)) == 1
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_missed_latest_fires_once_for_the_newest_missed_tick(
     app: pgqueue.App, conn: Conn
 ) -> None:
@@ -251,6 +270,7 @@ async def test_missed_latest_fires_once_for_the_newest_missed_tick(
     assert fresh == (True, True)
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_missed_all_fires_every_tick_up_to_max_catchup(app: pgqueue.App, conn: Conn) -> None:
     app.task(name="tick")(lambda: None)
     app.schedule("few", "* * * * *", task="tick", missed="all", max_catchup=100)
@@ -268,6 +288,7 @@ async def test_missed_all_fires_every_tick_up_to_max_catchup(app: pgqueue.App, c
     ).fetchone() == (True,)
 
 
+@pytest.mark.usefixtures("minute_ahead")
 async def test_paused_schedule_does_not_fire_and_resume_skips_the_pause(
     app: pgqueue.App, conn: Conn, dsn: str
 ) -> None:
