@@ -178,6 +178,19 @@ def wait_until(
         time.sleep(interval)
 
 
+def minute_ahead_of(conn: psycopg.Connection[Any]) -> None:
+    """Tests that compare an every-minute (or every-five-minutes) schedule's next tick with
+    now() would fail if a minute turned between the write and the check. They start at least
+    8 s before the next turn, by the database clock, waiting for it when closer: far more than
+    such a test takes, even on a loaded machine."""
+
+    def clear() -> bool:
+        row = conn.execute("SELECT extract(second FROM now()) < 52").fetchone()
+        return row is not None and bool(row[0])
+
+    wait_until(clear, timeout=15, what="the next minute on the database clock")
+
+
 async def wait_until_async(
     predicate: Callable[[], Any | Awaitable[Any]],
     timeout: float = 30.0,

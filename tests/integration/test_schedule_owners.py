@@ -24,7 +24,7 @@ from pgqueue.migrate import available
 from pgqueue.schedules_cli import schedules_command
 from pgqueue.sql import render
 from pgqueue.worker.scheduler import Scheduler
-from tests.helpers import wait_until_async
+from tests.helpers import minute_ahead_of, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 SECOND = timedelta(seconds=1)
@@ -354,6 +354,7 @@ async def test_prune_cli_prints_what_it_retires(
 async def test_declared_retirement_applies_at_the_next_sync_and_redeclaring_revives(
     dsn: str, conn: Conn, caplog: pytest.LogCaptureFixture
 ) -> None:
+    minute_ahead_of(conn)  # its last check compares an every-minute tick with now()
     await sync(make_app(dsn, "keep", "old", cron="* * * * *"))
     v2 = make_app(dsn, "keep")
     v2.retire_schedule("old")

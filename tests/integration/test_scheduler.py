@@ -14,7 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 import pgqueue
 from pgqueue.schedules_cli import schedules_command
 from pgqueue.worker.scheduler import Scheduler
-from tests.helpers import wait_until, wait_until_async
+from tests.helpers import minute_ahead_of, wait_until_async
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -54,16 +54,9 @@ def make_due(conn: Conn, name: str, ago: str) -> None:
 
 @pytest.fixture
 def minute_ahead(conn: Conn) -> None:
-    """Tests that compare an every-minute (or every-five-minutes) schedule's next tick with
-    now() would fail if a minute turned between the write and the check. They start at least
-    8 s before the next turn, by the database clock, waiting for it when closer: far more than
-    such a test takes, even on a loaded machine."""
-
-    def clear() -> bool:
-        row = conn.execute("SELECT extract(second FROM now()) < 52").fetchone()
-        return row is not None and bool(row[0])
-
-    wait_until(clear, timeout=15, what="the next minute on the database clock")
+    """For tests that compare an every-minute (or every-five-minutes) schedule's next tick
+    with now() (see helpers.minute_ahead_of)."""
+    minute_ahead_of(conn)
 
 
 def jobs(conn: Conn) -> list[tuple[Any, ...]]:
