@@ -437,6 +437,25 @@ def check(
         " WHERE s.job_id = r.job_id AND s.lease_token = r.old_token AND s.event = 'start')",
         (list(killed),),
     )
+    # One line per zombie attempt, for a failure note: which claim it came from (and how many
+    # jobs that claim took), whether its handler started, when it was reaped. A zombie attempt
+    # with no stale write to match is then seen for what it was.
+    zombie_lines = [
+        f"zombie attempt: job {job} claimed {claimed:%H:%M:%S.%f} by worker {worker}"
+        f" (its claim took {size}), {'started' if started else 'never started'},"
+        f" reaped {reaped:%H:%M:%S.%f}"
+        for job, claimed, worker, size, started, reaped in conn.execute(
+            "SELECT r.job_id, c.at, c.new_worker,"
+            " (SELECT count(*) FROM history_transitions o WHERE o.new_token = c.new_token"
+            "  AND o.new_status = 'running'),"
+            " EXISTS (SELECT FROM history_runs s WHERE s.job_id = r.job_id"
+            "  AND s.lease_token = r.old_token AND s.event = 'start'), r.at"
+            " FROM history_reaps r JOIN history_transitions c ON c.job_id = r.job_id"
+            " AND c.new_token = r.old_token AND c.new_status = 'running'"
+            " WHERE NOT (c.new_worker = ANY(%s)) ORDER BY c.at LIMIT 60",
+            (list(killed),),
+        ).fetchall()
+    ]
     unexplained = history.unexplained_duplicates(conn, failures_explain=failures_explain)
     recovery = recovery_times(conn, faults, lease)
     limited = limit_findings(conn, limits)
@@ -483,4 +502,10 @@ def check(
         result.notes.append(f"unexplained re-claims (job, token): {unexplained[:5]}")
         result.notes.extend(history.describe_jobs(conn, [job for job, _ in unexplained[:3]]))
     result.notes.extend(limited.notes)
+    if result.stale_rejected != result.zombie_attempts:
+        result.notes.append(
+            f"zombie attempts: {zombie_attempts} ({zombie_attempts_started} started);"
+            f" stale writes rejected: {result.stale_rejected}"
+        )
+        result.notes.extend(zombie_lines)
     return result
