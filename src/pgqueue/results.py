@@ -76,9 +76,18 @@ def _first_look(job_id: int, left: float) -> dict[str, Any]:
 
 
 def _unsettled(exc: psycopg.Error) -> bool:
-    """The first look's wait for the row gave up (a long lock, or a role without UPDATE on the
-    jobs table): the waiter reads the job anyway and looks again later, as always."""
-    return isinstance(exc, (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege))
+    """The first look's wait for the row ended without the row: it gave up (a long lock, or a
+    role without UPDATE on the jobs table), or the write it waited for committed under a
+    stricter default isolation than READ COMMITTED (a serialization failure). The waiter reads
+    the job anyway, in a statement of its own, and looks again later, as always."""
+    return isinstance(
+        exc,
+        (
+            psycopg.errors.LockNotAvailable,
+            psycopg.errors.InsufficientPrivilege,
+            psycopg.errors.SerializationFailure,
+        ),
+    )
 
 
 def _timeout_error(job_id: int, timeout: float | None) -> WaitTimeoutError:

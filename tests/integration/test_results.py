@@ -178,14 +178,32 @@ async def test_a_waiter_whose_connection_is_lost_connects_again_and_gets_the_ans
         assert await asyncio.wait_for(waiter, 30) == "done"
 
 
-@pytest.mark.parametrize("kind", ["async", "sync"])
+@pytest.mark.parametrize(
+    ("kind", "isolation"),
+    [("async", None), ("sync", None), ("async", "repeatable read"), ("sync", "serializable")],
+)
 async def test_a_waiter_arriving_while_the_ack_commits_is_answered_at_once(
-    app: pgqueue.App, conn: Conn, kind: str
+    app: pgqueue.App,
+    conn: Conn,
+    dsn: str,
+    kind: str,
+    isolation: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An ack that looked for waiters just before this one announced itself, and commits just
     after this one first looked at the job, sends no announcement: the waiter's first look
     waits for that commit instead of finding the job still running and sleeping until its own
-    next look (regression: the CI saw a waiter sleep through its whole timeout)."""
+    next look (regression: the CI saw a waiter sleep through its whole timeout). Under a
+    stricter default isolation (the waiter's DSN's) that wait ends in a serialization failure,
+    which says the same: the ack committed (not a lost connection to connect again for)."""
+    reconnections: list[BaseException] = []
+    pause = results._Reconnect.pause
+
+    def counted(self: Any, exc: BaseException) -> float:
+        reconnections.append(exc)
+        return pause(self, exc)
+
+    monkeypatch.setattr(results._Reconnect, "pause", counted)
     # Test-only: the ack of this job waits, after its look for waiters, until the test lets go.
     conn.execute(
         "CREATE FUNCTION held_ack() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
@@ -215,17 +233,27 @@ async def test_a_waiter_arriving_while_the_ack_commits_is_answered_at_once(
         " AND a.pid <> pg_backend_pid() AND EXISTS (SELECT FROM pg_locks l WHERE l.pid = a.pid"
         " AND l.locktype = 'advisory' AND l.objid = 3 AND l.objsubid = 2 AND l.granted)"
     )
-    async with running_worker(app, **NO_POLL):
-        await wait_until_async(lambda: conn.execute(held).fetchone() == (1,), what="ack held")
-        if kind == "async":
-            waiter = asyncio.ensure_future(app.wait_async(job, timeout=60))
-        else:
-            waiter = asyncio.ensure_future(asyncio.to_thread(app.wait, job, 60))
-        await wait_until_async(
-            lambda: (conn.execute(waiter_looked).fetchone() or (False,))[0], what="waiter looked"
-        )
-        conn.execute("SELECT pg_advisory_unlock(4242)")
-        assert await asyncio.wait_for(waiter, 15) == "done"
+    escaped = None if isolation is None else isolation.replace(" ", "\\ ")
+    options = None if escaped is None else f"-c default_transaction_isolation={escaped}"
+    waiting = pgqueue.App(conninfo.make_conninfo(dsn, options=options))
+    try:
+        async with running_worker(app, **NO_POLL):
+            await wait_until_async(lambda: conn.execute(held).fetchone() == (1,), what="ack held")
+            if kind == "async":
+                waiter = asyncio.ensure_future(waiting.wait_async(job, timeout=60))
+            else:
+                waiter = asyncio.ensure_future(asyncio.to_thread(waiting.wait, job, 60))
+            await wait_until_async(
+                lambda: (conn.execute(waiter_looked).fetchone() or (False,))[0],
+                what="waiter looked",
+            )
+            conn.execute("SELECT pg_advisory_unlock(4242)")
+            started = time.monotonic()
+            assert await asyncio.wait_for(waiter, 15) == "done"
+            assert time.monotonic() - started < 5
+            assert reconnections == []
+    finally:
+        waiting.close()
 
 
 def test_an_ack_looks_for_waiters_only_once_its_whole_batch_is_locked(
