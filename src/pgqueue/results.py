@@ -19,6 +19,7 @@ database), or an outage longer than that, is ``DatabaseUnavailableError``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -75,19 +76,15 @@ def _first_look(job_id: int, left: float) -> dict[str, Any]:
     return {"id": job_id, "lock_timeout": f"{max(1, int(min(left, LOOK_EVERY) * 1000))}ms"}
 
 
-def _unsettled(exc: psycopg.Error) -> bool:
-    """The first look's wait for the row ended without the row: it gave up (a long lock, or a
-    role without UPDATE on the jobs table), or the write it waited for committed under a
-    stricter default isolation than READ COMMITTED (a serialization failure). The waiter reads
-    the job anyway, in a statement of its own, and looks again later, as always."""
-    return isinstance(
-        exc,
-        (
-            psycopg.errors.LockNotAvailable,
-            psycopg.errors.InsufficientPrivilege,
-            psycopg.errors.SerializationFailure,
-        ),
-    )
+#: How the first look's wait for the row may end without the row: it gave up (a long lock, or
+#: a role without UPDATE on the jobs table), or the write it waited for committed under a
+#: stricter default isolation than READ COMMITTED (a serialization failure). The waiter reads
+#: the job anyway, in a statement of its own, and looks again later, as always.
+_UNSETTLED = (
+    psycopg.errors.LockNotAvailable,
+    psycopg.errors.InsufficientPrivilege,
+    psycopg.errors.SerializationFailure,
+)
 
 
 def _timeout_error(job_id: int, timeout: float | None) -> WaitTimeoutError:
@@ -140,11 +137,8 @@ def _wait(
         reconnect.connected()
         conn.execute(_listen(db.done_channel_for(schema)))
         conn.execute(q.announce_result_wait)
-        try:
+        with contextlib.suppress(*_UNSETTLED):
             conn.execute(q.lock_awaited_job, _first_look(job_id, _left(deadline)))
-        except psycopg.Error as exc:
-            if not _unsettled(exc):
-                raise
         while True:
             done, result = settle(job_id, conn.execute(q.get_job, {"id": job_id}).fetchone())
             if done:
@@ -179,11 +173,8 @@ async def _wait_async(
         reconnect.connected()
         await conn.execute(_listen(db.done_channel_for(schema)))
         await conn.execute(q.announce_result_wait)
-        try:
+        with contextlib.suppress(*_UNSETTLED):
             await conn.execute(q.lock_awaited_job, _first_look(job_id, _left(deadline)))
-        except psycopg.Error as exc:
-            if not _unsettled(exc):
-                raise
         while True:
             cur = await conn.execute(q.get_job, {"id": job_id})
             done, result = settle(job_id, await cur.fetchone())

@@ -54,20 +54,9 @@ def check_after_failure(value: object) -> str:
     return str(value)
 
 
-def with_parents(
-    row: producer.JobRow, after: Iterable[int] | None, after_failure: str
-) -> producer.JobRow:
-    if after is None:
-        return row
-    if row.unique_key is not None:
-        raise InvalidJobError("a job cannot be both unique and run after other jobs")
-    parents = tuple(int(p) for p in check_parents(after))  # one type: psycopg dumps a list of one
-    return row._replace(after=parents, after_failure=check_after_failure(after_failure))
-
-
 def refuse_unique(row: producer.JobRow, which: str, member: bool = False) -> None:
-    """A workflow's job that runs after others (a chain's later step, a group's callback) cannot
-    be unique, as with ``after=``; nor can a group's member, whose bulk insert takes no key.
+    """A job that runs after others (``after=``, a chain's later step, a group's callback)
+    cannot be unique; nor can a group's member, whose bulk insert takes no key.
     Refused, rather than written without the key its task declares."""
     if row.unique_key is None:
         return
@@ -80,6 +69,16 @@ def refuse_unique(row: producer.JobRow, which: str, member: bool = False) -> Non
         f"{which} (task {row.task!r}) is a unique job, and a unique job cannot also run after "
         "other jobs"
     )
+
+
+def with_parents(
+    row: producer.JobRow, after: Iterable[int] | None, after_failure: str
+) -> producer.JobRow:
+    if after is None:
+        return row
+    refuse_unique(row, "a job with after=")
+    parents = tuple(int(p) for p in check_parents(after))  # one type: psycopg dumps a list of one
+    return row._replace(after=parents, after_failure=check_after_failure(after_failure))
 
 
 @dataclass(frozen=True, slots=True)

@@ -420,42 +420,19 @@ def check(
         """,
         ([*effect_tasks, *limits.acked_tasks],),
     )
-    zombie_attempts = _one(
-        conn,
-        "SELECT count(*) FROM history_reaps r"
+    # Zombie attempts: reaped claims of workers that were not killed (stopped, cut off), in
+    # claim order, each with whether its handler logged its start.
+    zombies = conn.execute(
+        "SELECT r.job_id, c.at, c.new_worker, c.new_token, r.at, EXISTS (SELECT FROM history_runs s"
+        " WHERE s.job_id = r.job_id AND s.lease_token = r.old_token AND s.event = 'start')"
+        " FROM history_reaps r"
         " JOIN history_transitions c ON c.job_id = r.job_id AND c.new_token = r.old_token"
         " AND c.new_status = 'running'"
-        " WHERE NOT (c.new_worker = ANY(%s))",
+        " WHERE NOT (c.new_worker = ANY(%s)) ORDER BY c.at",
         (list(killed),),
-    )
-    zombie_attempts_started = _one(
-        conn,
-        "SELECT count(*) FROM history_reaps r"
-        " JOIN history_transitions c ON c.job_id = r.job_id AND c.new_token = r.old_token"
-        " AND c.new_status = 'running'"
-        " WHERE NOT (c.new_worker = ANY(%s)) AND EXISTS (SELECT FROM history_runs s"
-        " WHERE s.job_id = r.job_id AND s.lease_token = r.old_token AND s.event = 'start')",
-        (list(killed),),
-    )
-    # One line per zombie attempt, for a failure note: which claim it came from (and how many
-    # jobs that claim took), whether its handler started, when it was reaped. A zombie attempt
-    # with no stale write to match is then seen for what it was.
-    zombie_lines = [
-        f"zombie attempt: job {job} claimed {claimed:%H:%M:%S.%f} by worker {worker}"
-        f" (its claim took {size}), {'started' if started else 'never started'},"
-        f" reaped {reaped:%H:%M:%S.%f}"
-        for job, claimed, worker, size, started, reaped in conn.execute(
-            "SELECT r.job_id, c.at, c.new_worker,"
-            " (SELECT count(*) FROM history_transitions o WHERE o.new_token = c.new_token"
-            "  AND o.new_status = 'running'),"
-            " EXISTS (SELECT FROM history_runs s WHERE s.job_id = r.job_id"
-            "  AND s.lease_token = r.old_token AND s.event = 'start'), r.at"
-            " FROM history_reaps r JOIN history_transitions c ON c.job_id = r.job_id"
-            " AND c.new_token = r.old_token AND c.new_status = 'running'"
-            " WHERE NOT (c.new_worker = ANY(%s)) ORDER BY c.at LIMIT 60",
-            (list(killed),),
-        ).fetchall()
-    ]
+    ).fetchall()
+    zombie_attempts = len(zombies)
+    zombie_attempts_started = sum(1 for *_, started in zombies if started)
     unexplained = history.unexplained_duplicates(conn, failures_explain=failures_explain)
     recovery = recovery_times(conn, faults, lease)
     limited = limit_findings(conn, limits)
@@ -507,5 +484,24 @@ def check(
             f"zombie attempts: {zombie_attempts} ({zombie_attempts_started} started);"
             f" stale writes rejected: {result.stale_rejected}"
         )
-        result.notes.extend(zombie_lines)
+        result.notes.extend(zombie_lines(conn, zombies[:60]))
     return result
+
+
+def zombie_lines(conn: Conn, zombies: list[Any]) -> list[str]:
+    """One line per zombie attempt, for a failure note: its claim (and how many jobs that claim
+    took), whether its handler started, when it was reaped. A zombie attempt with no stale
+    write to match is then seen for what it was."""
+    sizes: dict[Any, int] = dict(
+        conn.execute(
+            "SELECT new_token, count(*) FROM history_transitions"
+            " WHERE new_status = 'running' AND new_token = ANY(%s) GROUP BY new_token",
+            ([token for _, _, _, token, _, _ in zombies],),
+        ).fetchall()
+    )
+    return [
+        f"zombie attempt: job {job} claimed {claimed:%H:%M:%S.%f} by worker {worker}"
+        f" (its claim took {sizes.get(token)}), {'started' if started else 'never started'},"
+        f" reaped {reaped:%H:%M:%S.%f}"
+        for job, claimed, worker, token, reaped, started in zombies
+    ]

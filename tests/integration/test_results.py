@@ -32,6 +32,19 @@ def slow_own_looks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(results, "LOOK_EVERY", 60.0)
 
 
+#: The advisory lock the tests' triggers hold an ack on until the test lets go.
+HOLD = 4242
+
+
+def ack_held(conn: Conn) -> bool:
+    """An ack waits in a test trigger for HOLD."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND NOT granted",
+        (HOLD,),
+    ).fetchone()
+    return row == (1,)
+
+
 async def test_wait_returns_the_result_as_soon_as_the_job_succeeds(app: pgqueue.App) -> None:
     gate = asyncio.Event()
 
@@ -208,22 +221,19 @@ async def test_a_waiter_arriving_while_the_ack_commits_is_answered_at_once(
     conn.execute(
         "CREATE FUNCTION held_ack() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
         " PERFORM set_config('lock_timeout', '0', true);"
-        " PERFORM pg_advisory_xact_lock_shared(4242); RETURN NULL; END $$"
+        f" PERFORM pg_advisory_xact_lock_shared({HOLD}); RETURN NULL; END $$"
     )
     conn.execute(
         "CREATE TRIGGER held_ack AFTER UPDATE ON pgqueue_jobs FOR EACH ROW"
         " WHEN (OLD.status = 'running' AND NEW.status = 'succeeded') EXECUTE FUNCTION held_ack()"
     )
-    conn.execute("SELECT pg_advisory_lock(4242)")
+    conn.execute("SELECT pg_advisory_lock(%s)", (HOLD,))
 
     @app.task
     async def quick() -> str:
         return "done"
 
     job = quick.enqueue()
-    held = (
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted"
-    )
     # The waiter's session (the only one without an application name besides ``conn``) has
     # announced itself and has looked at the job: it is either waiting for a row lock or idle
     # after reading the job.
@@ -238,7 +248,7 @@ async def test_a_waiter_arriving_while_the_ack_commits_is_answered_at_once(
     waiting = pgqueue.App(conninfo.make_conninfo(dsn, options=options))
     try:
         async with running_worker(app, **NO_POLL):
-            await wait_until_async(lambda: conn.execute(held).fetchone() == (1,), what="ack held")
+            await wait_until_async(lambda: ack_held(conn), what="ack held")
             if kind == "async":
                 waiter = asyncio.ensure_future(waiting.wait_async(job, timeout=60))
             else:
@@ -247,7 +257,7 @@ async def test_a_waiter_arriving_while_the_ack_commits_is_answered_at_once(
                 lambda: (conn.execute(waiter_looked).fetchone() or (False,))[0],
                 what="waiter looked",
             )
-            conn.execute("SELECT pg_advisory_unlock(4242)")
+            conn.execute("SELECT pg_advisory_unlock(%s)", (HOLD,))
             started = time.monotonic()
             assert await asyncio.wait_for(waiter, 15) == "done"
             assert time.monotonic() - started < 5
@@ -277,7 +287,7 @@ def test_an_ack_looks_for_waiters_only_once_its_whole_batch_is_locked(
         "CREATE FUNCTION second_row_held() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
         " IF current_setting('test.first_row_done', true) = 'yes' THEN"
         "   PERFORM set_config('lock_timeout', '0', true);"
-        "   PERFORM pg_advisory_xact_lock_shared(4242);"
+        f"   PERFORM pg_advisory_xact_lock_shared({HOLD});"
         " ELSE PERFORM set_config('test.first_row_done', 'yes', true); END IF;"
         " RETURN NEW; END $$"
     )
@@ -285,7 +295,7 @@ def test_an_ack_looks_for_waiters_only_once_its_whole_batch_is_locked(
         "CREATE TRIGGER second_row_held BEFORE UPDATE ON pgqueue_jobs FOR EACH ROW"
         " WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION second_row_held()"
     )
-    conn.execute("SELECT pg_advisory_lock(4242)")
+    conn.execute("SELECT pg_advisory_lock(%s)", (HOLD,))
     batch = [
         Outcome(job_id, token, pgqueue.Status.SUCCEEDED, None, None, None, 0.0, "default", 0.0)
         for job_id, token in tokens.items()
@@ -299,19 +309,10 @@ def test_an_ack_looks_for_waiters_only_once_its_whole_batch_is_locked(
         )
         ack.start()
         try:
-            wait_until(
-                lambda: (
-                    conn.execute(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242"
-                        " AND NOT granted"
-                    ).fetchone()
-                    == (1,)
-                ),
-                what="the ack held before its second row",
-            )
+            wait_until(lambda: ack_held(conn), what="the ack held before its second row")
             waiter.execute(app.q.announce_result_wait)
         finally:
-            conn.execute("SELECT pg_advisory_unlock(4242)")
+            conn.execute("SELECT pg_advisory_unlock(%s)", (HOLD,))
             ack.join(30)
     assert sorted(written) == [(first, True), (second, True)]
 

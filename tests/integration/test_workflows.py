@@ -273,7 +273,10 @@ def test_a_workflow_refuses_unique_jobs_it_cannot_keep_unique(app: pgqueue.App, 
         app.group([plain.s(n=1), sync_user.s(user=1), sync_user.s(user=1)], then=total.s())
     with pytest.raises(pgqueue.InvalidJobError, match=r"callback .* unique"):
         app.group([plain.s(n=1)], then=report.s())
-    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (0,)
+    parent = plain.enqueue(n=0)
+    with pytest.raises(pgqueue.InvalidJobError, match=r"after=.* unique"):  # the same rule
+        sync_user.configure(after=[parent]).enqueue(user=1)
+    assert conn.execute("SELECT count(*) FROM pgqueue_jobs").fetchone() == (1,)
 
     # A chain may start with a unique job: its key holds, and a second chain's first step is
     # that job, which its next step then follows.
